@@ -1,0 +1,222 @@
+"""The engine's configuration: one root of frozen dataclasses, built once from the CLI or the LLM API.
+
+Runs in every process (the config travels to workers as constructor arguments). Values the engine
+learns while running (KV block count, EOS ids) travel in typed messages and are never written back
+here. `EngineConfig.create(...)` validates user input and raises `ConfigError` with one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workers.models import SUPPORTED_ARCHITECTURES
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "priority")
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message is one line meant for the user."""
+
+
+def default_model_dir() -> Path:
+    """The small model bundled with Ember, used whenever no model is given."""
+    return Path(__file__).resolve().parent.parent / "tools" / "default_model"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint and what we read from its config.json (read once, here)."""
+
+    model: str
+    architecture: str
+    dtype: str  # resolved: float32 | bfloat16 | float16
+    max_model_len: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    tokenizer: str
+    seed: int = 0
+
+    @classmethod
+    def from_dir(
+        cls, model: str | os.PathLike | None, dtype: str = "auto", max_model_len: int | None = None, seed: int = 0
+    ) -> ModelConfig:
+        path = Path(model) if model is not None else default_model_dir()
+        if not path.is_dir():
+            raise ConfigError(f"model directory not found: {path}")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{path} has no config.json (is it a Hugging Face checkpoint folder?)")
+        if not any(path.glob("*.safetensors")):
+            raise ConfigError(f"{path} holds no *.safetensors weights")
+        hf = json.loads(cfg_file.read_text())
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or '(none given)'} in {cfg_file}; "
+                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            )
+        if dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        if dtype == "auto":
+            dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+            if dtype not in DTYPES:
+                dtype = "float32"
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        limit = int(hf.get("max_position_embeddings") or 2048)
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len < 2:
+            raise ConfigError("max_model_len must be at least 2")
+        elif max_model_len > limit:
+            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+        return cls(
+            model=str(path),
+            architecture=arch,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            vocab_size=int(hf["vocab_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            hidden_size=hidden,
+            tokenizer=str(path),
+            seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing and prefix caching."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # fixed count; otherwise derived from the memory budget
+    kv_cache_memory: int | None = None  # bytes for KV across all layers
+    kv_cache_memory_fraction: float | None = None  # of free memory; default per device
+    enable_prefix_caching: bool = True
+    prefix_hash_seed: int | None = None  # None: a random seed per launch
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError("num_kv_blocks must be at least 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError("kv_cache_memory must be a positive number of bytes")
+        frac = self.kv_cache_memory_fraction
+        if frac is not None and not 0.0 < frac <= 1.0:
+            raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits and policy."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be at least 1")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism; each worker gets its own copy with `rank` set (dataclasses.replace)."""
+
+    tensor_parallel_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size must be at least 1")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where workers run and which attention backend they use (None: chosen by device)."""
+
+    device: str = "auto"
+    attention_backend: str | None = None
+
+    @property
+    def resolved(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The root: everything an engine needs, built once."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def create(
+        cls,
+        model: str | os.PathLike | None = None,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        scheduling_policy: str = "fcfs",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
+        enable_prefix_caching: bool = True,
+        prefix_hash_seed: int | None = None,
+        tensor_parallel_size: int = 1,
+        device: str = "auto",
+        attention_backend: str | None = None,
+    ) -> EngineConfig:
+        """Build and validate the whole tree from flat, CLI-shaped arguments."""
+        model_cfg = ModelConfig.from_dir(model, dtype=dtype, max_model_len=max_model_len, seed=seed)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))
+        return cls(
+            model=model_cfg,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory=kv_cache_memory,
+                kv_cache_memory_fraction=kv_cache_memory_fraction,
+                enable_prefix_caching=enable_prefix_caching,
+                prefix_hash_seed=prefix_hash_seed,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                policy=scheduling_policy,
+            ),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            device=DeviceConfig(device=device, attention_backend=attention_backend),
+        )
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.model.max_model_len // self.cache.block_size)

@@ -1,0 +1,148 @@
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+Runs everything in the caller's process: tokenization and detokenization (frontend pieces), and an
+`EngineCore` whose scheduler and model runner are the same ones the server uses. Prompts may be
+strings, token-id lists, or dicts with "prompt" / "prompt_token_ids". With no model it uses the small
+model bundled with Ember.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from coreproc.config import EngineConfig
+from coreproc.engine import EngineCore
+from coreproc.outputs import RequestOutput
+from coreproc.protocol import EngineRequest, InvalidParam, SamplingParams
+from frontend.output_processor import OutputProcessor, SequenceDelta
+from frontend.tokenizer import eos_token_ids, load_tokenizer
+
+PromptInput = str | list[int] | dict
+
+
+class LLM:
+    """An engine in this process. Keyword arguments mirror vLLM's engine arguments."""
+
+    def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args: Any) -> None:
+        self.config = EngineConfig.create(model, **engine_args)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.eos_token_ids = eos_token_ids(self.config.model.model, self.tokenizer)
+        self.engine = EngineCore(self.config, show_progress=show_progress)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # ------------------------------------------------------------------ prompts
+
+    def _normalize(self, prompts: PromptInput | Sequence[PromptInput]) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    out.append((p.get("prompt"), list(p["prompt_token_ids"])))
+                    continue
+                p = p["prompt"]
+            if isinstance(p, str):
+                out.append((p, self.tokenizer(p).input_ids))
+            elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+                out.append((None, list(p)))
+            else:
+                raise InvalidParam(f"a prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt")
+        return out
+
+    def _submit(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+    ) -> list[str]:
+        items = self._normalize(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(items):
+                raise InvalidParam("need one SamplingParams per prompt (or a single one)", "sampling_params")
+        for params in params_list:
+            params.validate()
+        submitted: list[str] = []
+        engine_ids: list[str] = []
+        try:
+            for i, ((text, ids), params) in enumerate(zip(items, params_list)):
+                rid = str(next(self._ids))
+                submitted.append(rid)
+                for eid, sub in self.processor.add_request(rid, text, ids, params):
+                    self.engine.add_request(
+                        EngineRequest(
+                            request_id=eid,
+                            prompt_token_ids=ids,
+                            sampling_params=sub,
+                            eos_token_ids=self.eos_token_ids,
+                            arrival_time=time.time(),
+                            priority=priority[i] if priority else 0,
+                        )
+                    )
+                    engine_ids.append(eid)
+        except Exception:
+            self.engine.abort_requests(engine_ids)
+            for rid in submitted:
+                self.processor.discard(rid)
+            raise
+        return submitted
+
+    # ------------------------------------------------------------------ generation
+
+    def _step(self) -> list[SequenceDelta]:
+        deltas, to_abort = self.processor.process(self.engine.step())
+        if to_abort:
+            self.engine.abort_requests(to_abort)
+        return deltas
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        ids = self._submit(prompts, sampling_params, priority)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for delta in self._step():
+                    if delta.finish_reason is not None and delta.request_id not in results:
+                        done = self.processor.pop_finished(delta.request_id)
+                        if done is not None:
+                            results[delta.request_id] = done
+                            bar.update(1)
+        return [results[i] for i in ids]
+
+    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[SequenceDelta]:
+        """Generate one prompt, yielding text deltas as they are produced (aborts if abandoned)."""
+        (rid,) = self._submit(prompt, sampling_params, None)
+        finished = False
+        try:
+            while not finished:
+                for delta in self._step():
+                    if delta.request_id == rid:
+                        yield delta
+                finished = self.processor.pop_finished(rid) is not None
+        finally:
+            if not finished:
+                self.engine.abort_requests(self.processor.discard(rid))

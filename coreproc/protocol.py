@@ -1,0 +1,190 @@
+"""Every message that crosses a process boundary in Ember, as msgspec Structs.
+
+Shared by the frontend, the scheduler process (coreproc) and the workers. In-process engines pass these
+objects directly; multiprocess engines encode them with msgspec (msgpack), never pickle. Per-step
+messages are `array_like`, `omit_defaults` and `gc=False` so encoding stays cheap on the hot path.
+Directions: frontend -> core (`EngineRequest`), core -> workers (`SchedulerOutput`), workers -> core
+(`RunnerOutput`, `WorkerReady`), core -> frontend (`EngineOutput`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class InvalidParam(ValueError):
+    """A user-supplied value is out of range; `param` names it (OpenAI error bodies carry it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How to sample one request. Defaults follow vLLM: temperature 1.0, max_tokens 16."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, max_logprobs: int = 20) -> None:
+        """Raise InvalidParam naming the first bad field."""
+        checks = [
+            (self.n >= 1, "n", "n must be at least 1"),
+            (self.temperature >= 0.0, "temperature", "temperature must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 0, "top_k", "top_k must be -1 (disabled) or >= 0"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be positive"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                "min_tokens must not exceed max_tokens",
+            ),
+            (all(s for s in self.stop), "stop", "stop strings must be non-empty"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= max_logprobs,
+                "logprobs",
+                f"logprobs must be in [0, {max_logprobs}]",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_logprobs,
+                "prompt_logprobs",
+                f"prompt_logprobs must be in [0, {max_logprobs}]",
+            ),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", "seed must be in [0, 2**63)"),
+        ]
+        for ok, param, message in checks:
+            if not ok:
+                raise InvalidParam(message, param)
+
+
+# ----------------------------------------------------------------------------- frontend -> core
+
+
+class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
+    """One request as the core sees it: token ids already rendered by the frontend."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int] = []
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+# ----------------------------------------------------------------------------- core -> workers
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request scheduled for the first time (or again after preemption): sent in full once."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = []
+    eos_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers already hold: only the blocks added this step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One engine step: which requests run and how many tokens each computes.
+
+    `finished_req_ids` lists requests the workers must forget before running this step (finished,
+    aborted or preempted since the previous step).
+    """
+
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: list[str] = []
+
+
+# ----------------------------------------------------------------------------- workers -> core
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs at one position: the chosen token first, then the top-N alternatives."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
+
+
+class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced, per scheduled request (same order as `req_ids`).
+
+    `sampled_token_ids[i]` is empty for a partial prefill chunk. `logprobs[i]` holds one entry per
+    sampled token (the chosen token's raw logprob always, plus the top-N when requested).
+    """
+
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    logprobs: list[list[TokenLogprobs]] = []
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+
+
+class WorkerReady(msgspec.Struct, kw_only=True):
+    """Sent once by each worker after loading: values learned at run time travel here."""
+
+    rank: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+    weight_bytes: int
+    load_seconds: float
+    device: str
+
+
+# ----------------------------------------------------------------------------- core -> frontend
+
+
+class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens for one request since the previous output, and why it finished (if it did)."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[TokenLogprobs] = []
+    new_prompt_logprobs: list[TokenLogprobs | None] = []
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,87 @@
+"""The scheduler's view of one request: its tokens, progress, status and why it finished.
+
+Runs in the scheduler process (coreproc). Built from an `EngineRequest`; the scheduler advances
+`num_computed_tokens` when it schedules work and appends sampled tokens from `RunnerOutput`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from coreproc.protocol import EngineRequest, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler."""
+
+    def __init__(self, req: EngineRequest, arrival_seq: int) -> None:
+        self.request_id = req.request_id
+        self.prompt_token_ids = list(req.prompt_token_ids)
+        self.sampling_params: SamplingParams = req.sampling_params
+        self.eos_token_ids = list(req.eos_token_ids)
+        self.arrival_time = req.arrival_time
+        self.arrival_seq = arrival_seq
+        self.priority = req.priority
+        self.cache_salt = req.cache_salt
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(req.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 until admitted
+        self.block_hashes: list[bytes] = []
+        self.num_prompt_logprobs_sent = 0
+        self.in_workers = False  # workers hold its state (sent as NewRequestData, not yet forgotten)
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

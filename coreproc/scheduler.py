@@ -1,0 +1,306 @@
+"""Continuous-batching scheduler: the two-call contract `schedule()` then `update_from_output()`.
+
+Runs in the scheduler process (coreproc); pure CPU, no tensors. There are no prefill or decode phases:
+each step gives every request enough tokens for its computed count to catch up with its token count,
+under a token budget, running requests first, then waiting ones (FCFS or priority). When blocks run out
+a running request is preempted by recompute (all its blocks freed, queued again at the front).
+`update_from_output` appends sampled tokens, applies stop conditions and frees finished requests.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+from coreproc.config import EngineConfig
+from coreproc.kv_cache import KVCacheManager
+from coreproc.protocol import (
+    CachedRequestData,
+    EngineOutput,
+    EngineRequest,
+    InvalidParam,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from coreproc.request import Request, RequestStatus
+
+
+class WaitingQueue:
+    """Requests not running, ordered by policy key; preempted requests keep their place at the front."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._items: list[tuple[tuple, Request]] = []
+
+    def _key(self, req: Request) -> tuple:
+        if self.policy == "priority":
+            return (req.priority, req.arrival_time, req.arrival_seq)
+        return (req.arrival_seq,)
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self._items, (self._key(req), req), key=lambda item: item[0])
+
+    def peek(self) -> Request:
+        return self._items[0][1]
+
+    def pop(self) -> Request:
+        return self._items.pop(0)[1]
+
+    def remove(self, req: Request) -> None:
+        self._items.remove((self._key(req), req))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return (req for _, req in self._items)
+
+
+class Scheduler:
+    """Owns requests, the waiting queue, the running list and the KV block manager."""
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+        self.config = config
+        self.max_model_len = config.model.max_model_len
+        self.vocab_size = config.model.vocab_size
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.token_budget = config.scheduler.max_num_batched_tokens
+        self.policy = config.scheduler.policy
+        self.kv = KVCacheManager(
+            num_kv_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            config.cache.prefix_hash_seed,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self._forget: list[str] = []  # requests workers must drop at the next step
+        self._arrivals = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, er: EngineRequest) -> None:
+        """Validate and queue a request; raises InvalidParam for requests that can never run."""
+        if er.request_id in self.requests:
+            raise InvalidParam(f"request id {er.request_id!r} is already in use", "request_id")
+        n = len(er.prompt_token_ids)
+        if n == 0:
+            raise InvalidParam("the prompt is empty", "prompt")
+        if n > self.max_model_len:
+            raise InvalidParam(
+                f"the prompt has {n} tokens but the model's maximum length is {self.max_model_len}", "prompt"
+            )
+        if any(t < 0 or t >= self.vocab_size for t in er.prompt_token_ids):
+            raise InvalidParam(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        er.sampling_params.validate()
+        req = Request(er, self._arrivals)
+        self._arrivals += 1
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
+        """Abort at once: blocks freed, workers told to forget; unknown ids are ignored."""
+        outputs = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineOutput(rid, finish_reason="abort", num_cached_tokens=max(0, req.num_cached_tokens)))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ------------------------------------------------------------------ schedule
+
+    def _victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.arrival_seq))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        if req.in_workers:
+            self._forget.append(req.request_id)
+            req.in_workers = False
+        self.waiting.add(req)
+
+    def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
+        return max(0, min(req.num_tokens - computed, budget, self.max_model_len - computed))
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.token_budget
+        scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if n == 0:
+                i += 1
+                continue
+            ids = self.kv.allocate_slots(req, n)
+            while ids is None:
+                victim = self._victim()
+                index = self.running.index(victim)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                if index < i:  # undo a request already scheduled in this step
+                    i -= 1
+                    budget += scheduled.pop(victim.request_id, 0)
+                    new_blocks.pop(victim.request_id, None)
+                ids = self.kv.allocate_slots(req, n)
+            if ids is None:
+                continue
+            scheduled[req.request_id] = n
+            new_blocks[req.request_id] = ids
+            budget -= n
+            i += 1
+
+        admitted: list[Request] = []
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            n = self._num_new_tokens(req, num_hit, budget)
+            ids = self.kv.allocate_slots(req, n, hit_blocks) if n > 0 else None
+            if ids is None:
+                break
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            self.running.append(req)
+            admitted.append(req)
+            scheduled[req.request_id] = n
+            budget -= n
+
+        out = SchedulerOutput(
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=self._forget,
+        )
+        self._forget = []
+        for req in self.running:
+            n = scheduled.get(req.request_id)
+            if n is None:
+                continue
+            if req.in_workers:
+                out.cached_requests.append(
+                    CachedRequestData(req.request_id, new_blocks[req.request_id], req.num_computed_tokens)
+                )
+            else:
+                out.new_requests.append(
+                    NewRequestData(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.sampling_params,
+                        self.kv.block_ids(req),
+                        req.num_computed_tokens,
+                        req.output_token_ids,
+                        req.eos_token_ids,
+                    )
+                )
+                req.in_workers = True
+            req.num_computed_tokens += n
+        self.num_steps += 1
+        return out
+
+    # ------------------------------------------------------------------ update
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        if req.in_workers:
+            self._forget.append(req.request_id)
+            req.in_workers = False
+        del self.requests[req.request_id]
+
+    def _new_prompt_logprobs(self, req: Request, entries: list, start: int) -> list:
+        """Forward only prompt logprobs not sent before (a preempted request recomputes them)."""
+        first = start + 1 if start > 0 else 0
+        skip = max(0, req.num_prompt_logprobs_sent - first)
+        fresh = entries[skip:]
+        req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, first + len(entries))
+        return fresh
+
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        for rid, tokens, logprobs in zip(out.req_ids, out.sampled_token_ids, out.logprobs):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            prompt_lps = out.prompt_logprobs.get(rid)
+            if prompt_lps is not None:
+                start = req.num_computed_tokens - sched.num_scheduled_tokens[rid]
+                prompt_lps = self._new_prompt_logprobs(req, prompt_lps, start)
+            status = None
+            accepted = 0
+            for token in tokens:
+                req.append_output_token(token)
+                accepted += 1
+                status = self._stop_status(req, token)
+                if status is not None:
+                    break
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            if accepted or status is not None or prompt_lps:
+                outputs.append(
+                    EngineOutput(
+                        rid,
+                        new_token_ids=list(tokens[:accepted]),
+                        new_logprobs=list(logprobs[:accepted]),
+                        new_prompt_logprobs=prompt_lps or [],
+                        finish_reason=None if status is None else status.finish_reason,
+                        stop_reason=req.stop_reason,
+                        num_cached_tokens=req.num_cached_tokens,
+                    )
+                )
+        return outputs
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_usage": self.kv.usage,
+            "num_kv_blocks": self.kv.num_blocks,
+            "num_blocks_in_use": self.kv.num_blocks_in_use(),
+            "num_steps": self.num_steps,
+            "num_preemptions": self.num_preemptions,
+            "prefix_cache_queries": self.kv.queries,
+            "prefix_cache_hits": self.kv.hits,
+        }

@@ -1,0 +1,140 @@
+"""The `ember` command: one entry point, one subcommand per job.
+
+Runs in the user's shell process. Subcommands import their modules lazily so `ember --help` is fast.
+Engine flags mirror vLLM's names. Errors a user can fix (bad flag values, missing model files, bad
+prompts) end with a non-zero exit and one line on stderr saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine (names as in vLLM)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", dest="model_flag", default=None, help="checkpoint folder (default: bundled model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache across all layers")
+    g.add_argument("--kv-cache-memory-fraction", type=float, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    model = getattr(args, "model", None) or args.model_flag
+    return dict(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        device=args.device,
+        attention_backend=args.attention_backend,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from coreproc import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.sampling_seed,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    llm = LLM(show_progress=False, **engine_kwargs(args))
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    reason = None
+    for delta in llm.stream(args.prompt, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        reason = delta.finish_reason or reason
+    sys.stdout.write("\n")
+    print(f"[finished: {reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from tools import make_model
+
+    return make_model.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Ember: LLM inference and serving")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
+    gen.add_argument("prompt")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
+    from tools import make_model
+
+    make_model.add_arguments(mk)
+    mk.set_defaults(func=cmd_make_model)
+    return parser
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+    except USER_ERRORS as e:
+        if args.log_level.upper() == "DEBUG":
+            raise
+        print(f"ember {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

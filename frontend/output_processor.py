@@ -1,0 +1,186 @@
+"""Turns `EngineOutput` deltas from the core into text, logprobs and finished results.
+
+Runs in the frontend (and the offline API's process). A request with n > 1 fans out into n engine
+requests ("{i}_{id}", seeds offset by i), whose results are gathered under the parent. Stop strings are
+found here after detokenization; the processor returns those engine request ids so the caller can
+abort them in the core. `process()` returns one `SequenceDelta` per sequence that changed (for
+streaming) and keeps the running totals for `RequestOutput`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from coreproc.protocol import EngineOutput, SamplingParams, TokenLogprobs
+from frontend.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class SequenceDelta:
+    """What one sequence gained in one step (for streaming)."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class Sequence:
+    parent: ParentRequest
+    index: int
+    detok: IncrementalDetokenizer
+    output: CompletionOutput
+    want_logprobs: bool
+
+    @property
+    def finished(self) -> bool:
+        return self.output.finish_reason is not None
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)
+
+    def result(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.output for s in self.sequences],
+            prompt_logprobs=self.prompt_logprobs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling params of sequence `index` of an n > 1 request."""
+    if params.n == 1:
+        return params
+    return msgspec.structs.replace(
+        params,
+        n=1,
+        seed=None if params.seed is None else params.seed + index,
+        prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+    )
+
+
+class OutputProcessor:
+    """Request table of the frontend side; not thread-safe."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentRequest] = {}
+        self.sequences: dict[str, Sequence] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> list[tuple[str, SamplingParams]]:
+        """Register a request; returns (engine request id, params) for each sequence to submit."""
+        parent = ParentRequest(request_id, prompt, list(prompt_ids))
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = []
+        self.parents[request_id] = parent
+        engine_reqs = []
+        for i in range(params.n):
+            sub = child_params(params, i)
+            engine_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            seq = Sequence(
+                parent,
+                i,
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, sub),
+                CompletionOutput(index=i, logprobs=[] if sub.logprobs is not None else None),
+                sub.logprobs is not None,
+            )
+            parent.sequences.append(seq)
+            self.sequences[engine_id] = seq
+            engine_reqs.append((engine_id, sub))
+        return engine_reqs
+
+    def _convert(self, entries: list[TokenLogprobs | None]) -> list[PositionLogprobs | None]:
+        out: list[PositionLogprobs | None] = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            pos: PositionLogprobs = {}
+            for j, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs)):
+                if tid not in pos:
+                    rank = e.rank if j == 0 else j
+                    pos[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+            out.append(pos)
+        return out
+
+    def process(self, outputs: list[EngineOutput]) -> tuple[list[SequenceDelta], list[str]]:
+        """Apply engine outputs; returns sequence deltas and engine ids to abort (stop strings)."""
+        deltas: list[SequenceDelta] = []
+        to_abort: list[str] = []
+        for eo in outputs:
+            seq = self.sequences.get(eo.request_id)
+            if seq is None or seq.finished:
+                continue
+            out, parent = seq.output, seq.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, eo.num_cached_tokens)
+            if eo.new_prompt_logprobs and parent.prompt_logprobs is not None:
+                parent.prompt_logprobs.extend(self._convert(eo.new_prompt_logprobs))
+            out.token_ids.extend(eo.new_token_ids)
+            out.cumulative_logprob += sum(lp.logprobs[0] for lp in eo.new_logprobs)
+            new_lps = self._convert(eo.new_logprobs) if seq.want_logprobs else None
+            if new_lps is not None:
+                out.logprobs.extend(new_lps)
+            stop = seq.detok.update(eo.new_token_ids)
+            if stop is not None:
+                out.finish_reason, out.stop_reason = "stop", stop
+                if not eo.finished:
+                    to_abort.append(eo.request_id)
+            elif eo.finished:
+                out.finish_reason, out.stop_reason = eo.finish_reason, eo.stop_reason
+            text = seq.detok.delta(seq.finished)
+            out.text += text
+            if seq.finished:
+                del self.sequences[eo.request_id]
+            deltas.append(
+                SequenceDelta(
+                    parent.request_id,
+                    seq.index,
+                    text,
+                    list(eo.new_token_ids),
+                    new_lps,
+                    out.finish_reason,
+                    out.stop_reason,
+                )
+            )
+        return deltas, to_abort
+
+    def pop_finished(self, request_id: str) -> RequestOutput | None:
+        """The final result of a finished request (removing it), or None while it runs."""
+        parent = self.parents.get(request_id)
+        if parent is None or not parent.finished:
+            return None
+        del self.parents[request_id]
+        return parent.result()
+
+    def discard(self, request_id: str) -> list[str]:
+        """Forget a request; returns the engine ids of its sequences that still run (to abort)."""
+        self.parents.pop(request_id, None)
+        running = [eid for eid, seq in self.sequences.items() if seq.parent.request_id == request_id]
+        for eid in running:
+            del self.sequences[eid]
+        return running

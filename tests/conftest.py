@@ -1,0 +1,62 @@
+"""Shared pytest fixtures: tiny checkpoints built once per session, and the Hugging Face reference.
+
+Run everything with `pytest -q`; tiers are markers (`-m unit`, `-m model`, `-m e2e`, `-m gpu`).
+Without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before any kernel
+module is imported). Checkpoints are made locally with `tools.make_model` (no hub, no downloads).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import hashlib  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(ckpt_root: Path):
+    """Build (once per session) a checkpoint for given make-model arguments; returns its folder."""
+    from tools.make_model import build_checkpoint
+
+    built: dict[tuple, Path] = {}
+
+    def make(arch: str, size: str = "tiny", **kwargs) -> Path:
+        key = (arch, size, json.dumps(kwargs, sort_keys=True))
+        if key not in built:
+            digest = hashlib.sha256(key[2].encode()).hexdigest()[:10]
+            built[key] = build_checkpoint(ckpt_root / f"{arch}-{size}-{digest}", arch, size, **kwargs)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_ckpt(request: pytest.FixtureRequest, make_ckpt) -> Path:
+    """One tiny float32 checkpoint per supported architecture."""
+    return make_ckpt(request.param)

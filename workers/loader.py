@@ -1,0 +1,131 @@
+"""Builds a model from a Hugging Face folder and loads its safetensors weights (single or sharded).
+
+Runs in worker processes. Tensors are read through safetensors' memory map one at a time and copied
+into this rank's parameters by each parameter's `weight_loader`; stacked projections are mapped from
+their checkpoint names. Every mismatch (unknown tensor, wrong shape, missing tensor) raises
+`WeightLoadError` with one line naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from kernels import AttentionBackend
+from workers.models import resolve
+from workers.parallel import TPGroup
+
+
+class WeightLoadError(RuntimeError):
+    """The checkpoint does not fit the model; the message names the tensor and the file."""
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from the shard index when there is one."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise WeightLoadError(f"shard {missing[0]} listed in {index.name} is missing from {model_dir}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (file name, tensor name, tensor) lazily from memory-mapped safetensors files."""
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield path.name, name, f.get_tensor(name)
+
+
+def count_tensors(files: list[Path]) -> int:
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            total += len(list(f.keys()))
+    return total
+
+
+def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its parameter; fail on anything unexpected or missing."""
+    params = dict(model.named_parameters())
+    stacked = getattr(model, "stacked_params", ())
+    ignored = getattr(model, "ignored_suffixes", ())
+    tied = getattr(model, "tie_word_embeddings", False)
+    seen: dict[str, set] = {}
+    bar = tqdm(total=count_tensors(files), desc="Loading weights", unit="tensor", disable=not show_progress)
+    with bar, torch.no_grad():
+        for file, name, tensor in iter_checkpoint(files):
+            bar.update(1)
+            if name.endswith(ignored) or (tied and name == "lm_head.weight"):
+                continue
+            target, shard = name, None
+            for param_name, ckpt_name, shard_id in stacked:
+                if f".{ckpt_name}." in name:
+                    target, shard = name.replace(f".{ckpt_name}.", f".{param_name}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise WeightLoadError(
+                    f"unexpected tensor {name} {tuple(tensor.shape)} in {file}: "
+                    f"{type(model).__name__} has no such parameter"
+                )
+            try:
+                param.weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise WeightLoadError(f"tensor {name} in {file}: {e}") from None
+            seen.setdefault(target, set()).add(shard)
+    shards_needed: dict[str, int] = {}
+    for param_name, _, _ in stacked:
+        shards_needed[param_name] = sum(1 for p, _, _ in stacked if p == param_name)
+    for pname in params:
+        leaf = pname.split(".")[-2] if pname.count(".") else pname
+        need = shards_needed.get(leaf, 1)
+        if len(seen.get(pname, ())) < need:
+            raise WeightLoadError(f"checkpoint is missing weights for parameter {pname}")
+
+
+def build_model(
+    model_dir: str,
+    architecture: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup,
+    backend: AttentionBackend,
+    max_positions: int,
+    show_progress: bool = True,
+) -> tuple[nn.Module, float]:
+    """Instantiate the architecture on `device` in `dtype` and load its weights; returns (model, seconds)."""
+    from transformers import AutoConfig
+
+    start = time.perf_counter()
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cls = resolve(architecture)
+    with torch.device(device), default_dtype(dtype):
+        model = cls(hf_config, tp, backend, max_positions)
+    load_weights(model, checkpoint_files(Path(model_dir)), show_progress)
+    model.eval()
+    return model, time.perf_counter() - start

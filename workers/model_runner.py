@@ -1,0 +1,202 @@
+"""Executes one scheduler step on one device: inputs from the step diff, one forward, sampling.
+
+Runs in each worker process (in-process for the offline engine). It keeps a per-request state table
+updated from `SchedulerOutput` diffs (new requests in full, then new blocks only) and appends the
+tokens it samples itself, so token ids never need to travel back from the scheduler. The batch is
+flattened: decodes (one query token) first, then prefill chunks, in a single varlen forward over the
+paged KV cache. Returns a `RunnerOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from kernels import AttentionMetadata
+from workers.sampler import Sampler, SamplerResult, SamplingBatch
+
+
+@dataclass
+class RequestState:
+    """What a worker remembers about one running request."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+    eos_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+def _logprob_entries(
+    ids: torch.Tensor, lps: torch.Tensor, chosen: list[int], chosen_lp: list[float], ranks: list[int], k: list[int]
+) -> list[TokenLogprobs]:
+    ids_l, lps_l = ids.tolist(), lps.tolist()
+    return [
+        TokenLogprobs([chosen[i], *ids_l[i][: k[i]]], [chosen_lp[i], *lps_l[i][: k[i]]], ranks[i])
+        for i in range(len(chosen))
+    ]
+
+
+class ModelRunner:
+    """Owns the model, the KV cache tensors and the sampler of one worker."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(device, seed)
+        self.requests: dict[str, RequestState] = {}
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply the step diff to the request table."""
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_requests:
+            self.requests[new.req_id] = RequestState(
+                prompt_ids=list(new.prompt_token_ids),
+                output_ids=list(new.output_token_ids),
+                params=new.sampling_params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                eos_ids=list(new.eos_token_ids),
+            )
+        for cached in out.cached_requests:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.update_states(out)
+        if out.total_num_scheduled_tokens == 0:
+            return RunnerOutput()
+        # decodes (one query token) first: the attention backend runs them with the decode kernel
+        req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        states = [self.requests[r] for r in req_ids]
+        q_lens = [out.num_scheduled_tokens[r] for r in req_ids]
+        seq_lens = [s.num_computed_tokens + q for s, q in zip(states, q_lens)]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for s, q, end in zip(states, q_lens, seq_lens):
+            start = end - q
+            input_ids.extend(s.token(i) for i in range(start, end))
+            positions.extend(range(start, end))
+        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device)
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+        ends = meta.query_start_loc_cpu[1:]
+        sample_rows = [i for i, (s, end) in enumerate(zip(states, seq_lens)) if end == s.num_tokens]
+        result = None
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample_rows]])
+            result = self.sampler(logits, self._sampling_batch([states[i] for i in sample_rows]))
+        output = self._collect(req_ids, states, sample_rows, result)
+        output.prompt_logprobs = self._prompt_logprobs(req_ids, states, q_lens, seq_lens, hidden, meta)
+        for s, q in zip(states, q_lens):
+            s.num_computed_tokens += q
+        return output
+
+    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+        banned = []
+        for s in states:
+            p = s.params
+            below_min = len(s.output_ids) < p.min_tokens
+            banned.append(([] if p.ignore_eos else s.eos_ids) + p.stop_token_ids if below_min else [])
+        return SamplingBatch(
+            temperature=[s.params.temperature for s in states],
+            top_k=[s.params.top_k for s in states],
+            top_p=[s.params.top_p for s in states],
+            min_p=[s.params.min_p for s in states],
+            seeds=[s.params.seed for s in states],
+            output_positions=[len(s.output_ids) for s in states],
+            presence_penalty=[s.params.presence_penalty for s in states],
+            frequency_penalty=[s.params.frequency_penalty for s in states],
+            repetition_penalty=[s.params.repetition_penalty for s in states],
+            prompt_ids=[s.prompt_ids for s in states],
+            output_ids=[s.output_ids for s in states],
+            banned_ids=banned,
+            max_num_logprobs=max((s.params.logprobs or 0) for s in states),
+        )
+
+    def _collect(
+        self,
+        req_ids: list[str],
+        states: list[RequestState],
+        sample_rows: list[int],
+        result: SamplerResult | None,
+    ) -> RunnerOutput:
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[list[TokenLogprobs]] = [[] for _ in req_ids]
+        if result is not None:
+            tokens = result.sampled.tolist()
+            entries = _logprob_entries(
+                result.top_ids,
+                result.top_logprobs,
+                tokens,
+                result.sampled_logprob.tolist(),
+                result.sampled_rank.tolist(),
+                [states[i].params.logprobs or 0 for i in sample_rows],
+            )
+            for j, i in enumerate(sample_rows):
+                sampled[i] = [tokens[j]]
+                logprobs[i] = [entries[j]]
+                states[i].output_ids.append(tokens[j])
+        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _prompt_logprobs(
+        self,
+        req_ids: list[str],
+        states: list[RequestState],
+        q_lens: list[int],
+        seq_lens: list[int],
+        hidden: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> dict[str, list[TokenLogprobs | None]]:
+        """Logprobs of each prompt token given its prefix, for the prompt positions in this chunk."""
+        found: dict[str, list[TokenLogprobs | None]] = {}
+        for i, (req_id, s) in enumerate(zip(req_ids, states)):
+            k = s.params.prompt_logprobs
+            start = seq_lens[i] - q_lens[i]
+            n_prompt = len(s.prompt_ids)
+            if k is None or start >= n_prompt:
+                continue
+            # row p of this chunk predicts token p + 1; only prompt tokens count
+            last = min(seq_lens[i], n_prompt - 1)
+            entries: list[TokenLogprobs | None] = [None] if start == 0 else []
+            if last > start:
+                base = meta.query_start_loc_cpu[i]
+                logits = self.model.compute_logits(hidden[base : base + last - start])
+                raw = torch.log_softmax(logits, dim=-1)
+                targets = torch.tensor(s.prompt_ids[start + 1 : last + 1], device=raw.device)
+                chosen = raw.gather(1, targets.unsqueeze(1)).squeeze(1)
+                ranks = (raw > chosen.unsqueeze(1)).sum(dim=1) + 1
+                top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], targets[:, None][:, :0])
+                entries += _logprob_entries(
+                    top_ids, top_lp, targets.tolist(), chosen.tolist(), ranks.tolist(), [k] * len(targets)
+                )
+            found[req_id] = entries
+        return found

@@ -1,0 +1,27 @@
+"""Registry of model architectures, keyed by the Hugging Face `architectures` string.
+
+Runs in worker processes (and is read by the config in every process). Entries name a module and a
+class so that looking up what is supported never imports torch; `resolve()` imports the class.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+def resolve(architecture: str) -> type:
+    """Import and return the model class for an HF architecture name."""
+    try:
+        target = SUPPORTED_ARCHITECTURES[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {supported}") from None
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)

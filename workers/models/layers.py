@@ -1,0 +1,249 @@
+"""Building blocks shared by the decoder models: sharded linears, embeddings, RMSNorm, rotary, attention.
+
+Runs in worker processes. Parameters are created with `torch.empty` so the loader's device/dtype
+context decides where they live. Each parameter carries a `weight_loader(param, tensor, shard)` that
+copies this rank's slice of a checkpoint tensor, which is how stacked projections (qkv, gate/up) and
+tensor parallelism share one loading path. Numerics follow Hugging Face's implementations exactly
+(RMSNorm in float32, rotate-half rotary with cos/sin cast to the activation dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionBackend, AttentionMetadata
+from workers.parallel import TPGroup
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+    """Copy a whole tensor (replicated parameters such as norms)."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match expected {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnLinear(nn.Module):
+    """y = x @ W.T (+ b) with the output dimension split across TP ranks.
+
+    `out_sizes` lists the stacked sub-projections (e.g. q, k, v); shard `i` of the checkpoint lands
+    at its offset inside this rank's slice.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_sizes = [tp.shard(s, "projection size") for s in out_sizes]
+        self.weight = _param(sum(self.local_sizes), in_features)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(sum(self.local_sizes)) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
+        index = 0 if shard is None else shard
+        size = self.local_sizes[index]
+        offset = sum(self.local_sizes[:index])
+        full = size * self.tp.size
+        if loaded.shape[0] != full or loaded.shape[1:] != param.shape[1:]:
+            expected = (full, *param.shape[1:])
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match expected {expected}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """y = x @ W.T (+ b) with the input dimension split across TP ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.local_in = tp.shard(in_features, "row-parallel input size")
+        self.weight = _param(out_features, self.local_in)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = _param(out_features) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = default_weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        expected = (param.shape[0], self.local_in * self.tp.size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match expected {expected}")
+        param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across TP ranks (padded to a multiple of the size)."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.local_vocab = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.local_vocab
+        self.weight = _param(self.local_vocab, hidden)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
+        if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
+            expected = (self.vocab_size, param.shape[1])
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match expected {expected}")
+        rows = max(0, min(self.local_vocab, self.vocab_size - self.start))
+        param.data.zero_()
+        param.data[:rows].copy_(loaded[self.start : self.start + rows])
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.local_vocab)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class LMHead(VocabEmbedding):
+    """Output projection to vocabulary logits (float32), gathered across TP ranks."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size].float()
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, as Hugging Face's Llama/Qwen norms do."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(size)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(hf_config: Any) -> dict:
+    """The rope settings of a config, whether in the newer `rope_parameters` or older `rope_scaling` form."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half (NeoX-style) rotary embedding with a precomputed cos/sin table.
+
+    Inverse frequencies come from transformers' own rope initialisers, so scaled variants
+    (linear, llama3, yarn) match Hugging Face exactly.
+    """
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = rope_parameters(hf_config)
+        rope_type = params["rope_type"]
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
+        rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        if rope_type == "default":
+            base = float(params["rope_theta"])
+            inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        self.rotary_dim = rotary_dim
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, Hkv, D]; cos/sin: [T, 1, rotary_dim]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        r = self.rotary_dim
+
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            xr = x[..., :r]
+            out = xr * cos + self._rotate_half(xr) * sin
+            return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
+
+        return rot(q), rot(k)
+
+
+class PagedAttention(nn.Module):
+    """Multi-head attention over the paged KV cache through the chosen backend (no parameters)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a stacked [gate | up] projection."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V cached per token across all layers on one rank."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def local_kv_heads(num_kv_heads: int, tp: TPGroup) -> int:
+    """KV heads held by one rank (KV heads are split across ranks)."""
+    return max(1, math.ceil(num_kv_heads / tp.size))

@@ -1,0 +1,177 @@
+"""LlamaForCausalLM: the decoder-only transformer that the other supported architectures specialise.
+
+Runs in worker processes. Weight names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, ...);
+q/k/v and gate/up are stacked into one projection each, mapped by `stacked_params`. Subclasses flip
+class attributes (qkv bias, q/k norm, sliding window) instead of re-implementing layers.
+forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden]; compute_logits -> float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels import AttentionBackend, AttentionMetadata
+from workers.models.layers import (
+    ColumnLinear,
+    LMHead,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    RowLinear,
+    VocabEmbedding,
+    silu_and_mul,
+)
+from workers.parallel import TPGroup
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: Any,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        max_positions: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        hidden = cfg.hidden_size
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+        self.num_heads = tp.shard(heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(kv_heads, "num_key_value_heads")
+        d = self.head_dim
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.qkv_proj = ColumnLinear(hidden, [heads * d, kv_heads * d, kv_heads * d], qkv_bias, tp)
+        self.o_proj = RowLinear(heads * d, hidden, o_bias, tp)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(cfg, d, max_positions)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, sliding_window, backend)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # [T, heads * D] -> [T, heads, D]
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: Any, tp: TPGroup) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"activation {act!r} is not supported (only silu)")
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], getattr(cfg, "mlp_bias", False), tp)
+        self.down_proj = RowLinear(inter, cfg.hidden_size, getattr(cfg, "mlp_bias", False), tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, tp: TPGroup, attn: DecoderAttention) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = DecoderMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: Any, tp: TPGroup, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM; the class attributes below are what subclasses change."""
+
+    qkv_bias: bool | None = None  # None: follow config.attention_bias
+    o_bias: bool | None = None  # None: follow config.attention_bias
+    qk_norm = False
+    sliding_window_all_layers = False  # Mistral applies config.sliding_window everywhere
+    stacked_params: tuple[tuple[str, str, Any], ...] = (
+        ("qkv_proj", "q_proj", 0),
+        ("qkv_proj", "k_proj", 1),
+        ("qkv_proj", "v_proj", 2),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+    # checkpoint entries that carry no weights we need (precomputed rotary tables)
+    ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, cfg: Any, tp: TPGroup, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        cfg_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = cfg_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = cfg_bias if self.o_bias is None else self.o_bias
+        layers = [
+            DecoderLayer(
+                cfg,
+                tp,
+                DecoderAttention(
+                    cfg,
+                    tp,
+                    backend,
+                    max_positions,
+                    qkv_bias,
+                    o_bias,
+                    self.qk_norm,
+                    self.layer_sliding_window(cfg, i),
+                ),
+            )
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.model = DecoderModel(cfg, tp, layers)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer_sliding_window(self, cfg: Any, index: int) -> int | None:
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None)
+        if window is None:
+            return None
+        if layer_types is not None:
+            return window if layer_types[index] == "sliding_attention" else None
+        return window if self.sliding_window_all_layers else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,124 @@
+"""One worker: a device, the model loaded onto it, its KV cache and its model runner.
+
+Runs in a worker process (or inside the offline engine's process). Start-up order: pick the device and
+attention backend -> build and load the model -> size the KV cache from the memory budget -> allocate
+it -> report `WorkerReady` (block count, bytes, load time). Then `execute_model` serves each step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from coreproc.config import ConfigError, EngineConfig
+from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
+from kernels import select_backend
+from workers.loader import build_model
+from workers.model_runner import ModelRunner
+from workers.models.layers import kv_bytes_per_token
+from workers.parallel import TPGroup
+
+log = logging.getLogger("ember.worker")
+
+CPU_DEFAULT_KV_FRACTION = 0.3
+CUDA_DEFAULT_KV_FRACTION = 0.9
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this device can still give: free GPU memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
+    """Number of KV blocks: fixed, from a byte budget, or from a fraction of free memory."""
+    cache = config.cache
+    useful = config.scheduler.max_num_seqs * config.max_blocks_per_seq
+    if cache.num_kv_blocks is not None:
+        blocks = cache.num_kv_blocks
+    elif cache.kv_cache_memory is not None:
+        blocks = cache.kv_cache_memory // bytes_per_block
+    else:
+        default = CUDA_DEFAULT_KV_FRACTION if device.type == "cuda" else CPU_DEFAULT_KV_FRACTION
+        fraction = cache.kv_cache_memory_fraction or default
+        # never reserve more than every sequence at full length could use
+        blocks = min(int(available_memory(device) * fraction) // bytes_per_block, useful)
+    if blocks < config.max_blocks_per_seq:
+        raise ConfigError(
+            f"the KV cache holds {blocks} blocks ({blocks * cache.block_size} tokens), fewer than one sequence "
+            f"of max_model_len {config.model.max_model_len} needs; give it more memory or lower max_model_len"
+        )
+    return blocks
+
+
+class Worker:
+    """Builds everything a device needs, then executes scheduler steps."""
+
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+        self.config = config
+        self.tp = tp or TPGroup()
+        self.device = torch.device(config.device.resolved)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", self.tp.rank % max(1, torch.cuda.device_count()))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = getattr(torch, config.model.dtype)
+        self.backend = select_backend(self.device, config.device.attention_backend)
+        self.runner: ModelRunner | None = None
+
+    def load(self, show_progress: bool = True) -> WorkerReady:
+        cfg = self.config
+        model, seconds = build_model(
+            cfg.model.model,
+            cfg.model.architecture,
+            self.dtype,
+            self.device,
+            self.tp,
+            self.backend,
+            cfg.model.max_model_len,
+            show_progress,
+        )
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        attn = model.model.layers[0].self_attn
+        num_kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
+        per_token = kv_bytes_per_token(cfg.model.num_layers, num_kv_heads, head_dim, self.dtype)
+        bytes_per_block = per_token * cfg.cache.block_size
+        num_blocks = plan_kv_blocks(cfg, bytes_per_block, self.device)
+        start = time.perf_counter()
+        shape = (2, num_blocks, cfg.cache.block_size, num_kv_heads, head_dim)
+        kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.model.num_layers)]
+        log.info(
+            "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB loaded in %.2fs; backend %s",
+            self.tp.rank,
+            num_blocks,
+            num_blocks * bytes_per_block / 2**20,
+            time.perf_counter() - start,
+            weight_bytes / 2**20,
+            seconds,
+            self.backend.name,
+        )
+        self.runner = ModelRunner(model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed)
+        return WorkerReady(
+            rank=self.tp.rank,
+            num_kv_blocks=num_blocks,
+            kv_bytes_per_block=bytes_per_block,
+            weight_bytes=weight_bytes,
+            load_seconds=seconds,
+            device=str(self.device),
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        assert self.runner is not None, "execute_model called before load()"
+        return self.runner.execute(scheduler_output)
