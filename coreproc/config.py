@@ -46,7 +46,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(
-        cls, model: str | os.PathLike | None, dtype: str = "auto", max_model_len: int | None = None, seed: int = 0
+        cls,
+        model: str | os.PathLike | None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
     ) -> ModelConfig:
         path = Path(model) if model is not None else default_model_dir()
         if not path.is_dir():
@@ -57,6 +61,9 @@ class ModelConfig:
         if not any(path.glob("*.safetensors")):
             raise ConfigError(f"{path} holds no *.safetensors weights")
         hf = json.loads(cfg_file.read_text())
+        if hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "unknown")
+            raise ConfigError(f"{path} is a pre-quantized checkpoint ({method}); Ember does not load those")
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -78,7 +85,9 @@ class ModelConfig:
         elif max_model_len < 2:
             raise ConfigError("max_model_len must be at least 2")
         elif max_model_len > limit:
-            raise ConfigError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
         return cls(
             model=str(path),
             architecture=arch,
@@ -132,7 +141,9 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
         if self.policy not in POLICIES:
-            raise ConfigError(f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+            raise ConfigError(
+                f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
+            )
 
 
 @dataclass(frozen=True)

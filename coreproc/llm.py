@@ -61,7 +61,9 @@ class LLM:
             elif isinstance(p, list) and all(isinstance(t, int) for t in p):
                 out.append((None, list(p)))
             else:
-                raise InvalidParam(f"a prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt")
+                raise InvalidParam(
+                    f"a prompt must be a string or a list of token ids, got {type(p).__name__}", "prompt"
+                )
         return out
 
     def _submit(
@@ -133,7 +135,9 @@ class LLM:
                             bar.update(1)
         return [results[i] for i in ids]
 
-    def stream(self, prompt: PromptInput, sampling_params: SamplingParams | None = None) -> Iterator[SequenceDelta]:
+    def stream(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None
+    ) -> Iterator[SequenceDelta]:
         """Generate one prompt, yielding text deltas as they are produced (aborts if abandoned)."""
         (rid,) = self._submit(prompt, sampling_params, None)
         finished = False

@@ -55,7 +55,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             (self.top_k == -1 or self.top_k >= 0, "top_k", "top_k must be -1 (disabled) or >= 0"),
             (0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                "frequency_penalty",
+                "frequency_penalty must be in [-2, 2]",
+            ),
             (self.repetition_penalty > 0.0, "repetition_penalty", "repetition_penalty must be positive"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "max_tokens must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "min_tokens must be non-negative"),

@@ -113,7 +113,18 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
-            outputs.append(EngineOutput(rid, finish_reason="abort", num_cached_tokens=max(0, req.num_cached_tokens)))
+            outputs.append(
+                EngineOutput(rid, finish_reason="abort", num_cached_tokens=max(0, req.num_cached_tokens))
+            )
+        return outputs
+
+    def fail_all(self, reason: str) -> list[EngineOutput]:
+        """Finish every queued or running request with an error (the engine cannot serve them)."""
+        outputs = []
+        for req in list(self.running) + list(self.waiting):
+            (self.running.remove if req.status == RequestStatus.RUNNING else self.waiting.remove)(req)
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineOutput(req.request_id, finish_reason="error", error=reason))
         return outputs
 
     def has_unfinished_requests(self) -> bool:

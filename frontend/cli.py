@@ -16,7 +16,9 @@ from collections.abc import Callable
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine (names as in vLLM)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--model", dest="model_flag", default=None, help="checkpoint folder (default: bundled model)")
+    g.add_argument(
+        "--model", dest="model_flag", default=None, help="checkpoint folder (default: bundled model)"
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=256)

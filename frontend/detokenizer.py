@@ -24,7 +24,9 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], params: SamplingParams) -> None:
         self._backend = tokenizer.backend_tokenizer
-        self._stream = DecodeStream(ids=list(prompt_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=params.skip_special_tokens)
+        self._stream = DecodeStream(
+            ids=list(prompt_ids[-_CONTEXT_TOKENS:]), skip_special_tokens=params.skip_special_tokens
+        )
         self.stops = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self._max_stop = max((len(s) for s in self.stops), default=0)

@@ -54,7 +54,9 @@ def test_greedy_matches_hf(tiny_ckpt, setup):
 def test_triton_backend_matches_hf(make_ckpt):
     """The Triton kernels (interpreted on CPU) drive the same model to the same tokens."""
     path = make_ckpt("llama")
-    llm = LLM(str(path), dtype="float32", attention_backend="triton", max_num_batched_tokens=32, show_progress=False)
+    llm = LLM(
+        str(path), dtype="float32", attention_backend="triton", max_num_batched_tokens=32, show_progress=False
+    )
     prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:4]]
     run_and_compare(path, llm, prompts, max_new=6)
 

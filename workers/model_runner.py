@@ -40,7 +40,12 @@ class RequestState:
 
 
 def _logprob_entries(
-    ids: torch.Tensor, lps: torch.Tensor, chosen: list[int], chosen_lp: list[float], ranks: list[int], k: list[int]
+    ids: torch.Tensor,
+    lps: torch.Tensor,
+    chosen: list[int],
+    chosen_lp: list[float],
+    ranks: list[int],
+    k: list[int],
 ) -> list[TokenLogprobs]:
     ids_l, lps_l = ids.tolist(), lps.tolist()
     return [
@@ -101,7 +106,9 @@ class ModelRunner:
             start = end - q
             input_ids.extend(s.token(i) for i in range(start, end))
             positions.extend(range(start, end))
-        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device)
+        meta = AttentionMetadata.build(
+            q_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device
+        )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             torch.tensor(positions, dtype=torch.long, device=self.device),

@@ -99,7 +99,9 @@ class Sampler:
         if not random_rows:
             return greedy_ids
         rows = torch.tensor(random_rows, device=logits.device)
-        x = logits[rows] / torch.tensor([b.temperature[i] for i in random_rows], device=logits.device).unsqueeze(1)
+        x = logits[rows] / torch.tensor(
+            [b.temperature[i] for i in random_rows], device=logits.device
+        ).unsqueeze(1)
         x = self._filter(x, [b.top_k[i] for i in random_rows], [b.top_p[i] for i in random_rows])
         probs = torch.softmax(x, dim=-1)
         min_p = torch.tensor([b.min_p[i] for i in random_rows], device=logits.device).unsqueeze(1)

@@ -57,8 +57,9 @@ def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.dev
         blocks = min(int(available_memory(device) * fraction) // bytes_per_block, useful)
     if blocks < config.max_blocks_per_seq:
         raise ConfigError(
-            f"the KV cache holds {blocks} blocks ({blocks * cache.block_size} tokens), fewer than one sequence "
-            f"of max_model_len {config.model.max_model_len} needs; give it more memory or lower max_model_len"
+            f"the KV cache holds {blocks} blocks ({blocks * cache.block_size} tokens), fewer than one "
+            f"sequence of max_model_len {config.model.max_model_len} needs; "
+            "give it more memory or lower max_model_len"
         )
     return blocks
 
@@ -98,9 +99,12 @@ class Worker:
         num_blocks = plan_kv_blocks(cfg, bytes_per_block, self.device)
         start = time.perf_counter()
         shape = (2, num_blocks, cfg.cache.block_size, num_kv_heads, head_dim)
-        kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.model.num_layers)]
+        kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.model.num_layers)
+        ]
         log.info(
-            "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB loaded in %.2fs; backend %s",
+            "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; "
+            "weights %.1f MiB loaded in %.2fs; backend %s",
             self.tp.rank,
             num_blocks,
             num_blocks * bytes_per_block / 2**20,

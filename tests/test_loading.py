@@ -1,0 +1,143 @@
+"""Loading errors are one clear line naming what is wrong; dtypes and tied weights load as declared.
+
+Each case copies a tiny checkpoint and breaks one thing (architecture, files, a tensor's name or
+shape, a shard). Run: `pytest -q tests/test_loading.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from coreproc import LLM, SamplingParams
+from coreproc.config import ConfigError
+from workers.loader import WeightLoadError
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture
+def broken(make_ckpt, tmp_path):
+    """A fresh copy of the tiny llama checkpoint to damage."""
+    dst = tmp_path / "ckpt"
+    shutil.copytree(make_ckpt("llama"), dst)
+    return dst
+
+
+def edit_config(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def edit_tensors(path, fn):
+    tensors = load_file(path / "model.safetensors")
+    fn(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_unknown_architecture(broken):
+    edit_config(broken, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM"):
+        LLM(str(broken), show_progress=False)
+
+
+def test_missing_files(broken, tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        LLM(str(tmp_path / "nope"), show_progress=False)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        LLM(str(broken), show_progress=False)
+    (broken / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        LLM(str(broken), show_progress=False)
+
+
+def test_pre_quantized_checkpoint_is_refused(broken):
+    edit_config(broken, quantization_config={"quant_method": "awq"})
+    with pytest.raises(ConfigError, match="pre-quantized.*awq"):
+        LLM(str(broken), show_progress=False)
+
+
+def test_unexpected_tensor_name(broken):
+    edit_tensors(
+        broken,
+        lambda t: t.__setitem__(
+            "model.layers.0.mlp.gate_projj.weight", t.pop("model.layers.0.mlp.gate_proj.weight")
+        ),
+    )
+    with pytest.raises(
+        WeightLoadError, match="unexpected tensor model.layers.0.mlp.gate_projj.weight .* model.safetensors"
+    ):
+        LLM(str(broken), show_progress=False)
+
+
+def test_missing_tensor(broken):
+    edit_tensors(broken, lambda t: t.pop("model.layers.1.self_attn.v_proj.weight"))
+    with pytest.raises(
+        WeightLoadError, match="missing weights for parameter model.layers.1.self_attn.qkv_proj"
+    ):
+        LLM(str(broken), show_progress=False)
+
+
+def test_wrong_shape(broken):
+    def shrink(t):
+        t["model.norm.weight"] = t["model.norm.weight"][:-1].clone()
+
+    edit_tensors(broken, shrink)
+    with pytest.raises(
+        WeightLoadError, match=r"model.norm.weight in model.safetensors: shape \(63,\) .* \(64,\)"
+    ):
+        LLM(str(broken), show_progress=False)
+
+
+def test_missing_shard(make_ckpt, tmp_path):
+    dst = tmp_path / "sharded"
+    shutil.copytree(make_ckpt("llama", seed=3, max_shard_size="200KB"), dst)
+    victim = sorted(dst.glob("model-*.safetensors"))[-1]
+    victim.unlink()
+    with pytest.raises(WeightLoadError, match=f"shard {victim.name} .* missing"):
+        LLM(str(dst), show_progress=False)
+
+
+def test_kv_cache_too_small_for_max_model_len(make_ckpt):
+    with pytest.raises(ConfigError, match="fewer than one sequence"):
+        LLM(str(make_ckpt("llama")), num_kv_blocks=3, max_model_len=128, show_progress=False)
+
+
+def test_bf16_checkpoint_loads_as_bf16_and_generates(make_ckpt):
+    llm = LLM(str(make_ckpt("qwen2", dtype="bfloat16")), show_progress=False)
+    assert llm.config.model.dtype == "bfloat16"
+    runner = llm.engine.executor.worker.runner
+    assert all(
+        p.dtype.is_floating_point and str(p.dtype) == "torch.bfloat16" for p in runner.model.parameters()
+    )
+    out = llm.generate(
+        ["def f(x):"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_tied_embeddings_share_one_tensor(make_ckpt):
+    llm = LLM(str(make_ckpt("qwen3")), show_progress=False)
+    model = llm.engine.executor.worker.runner.model
+    assert model.tie_word_embeddings
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.e2e
+def test_cli_reports_one_line_errors(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "generate", "--model", str(tmp_path / "missing"), "hello"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model directory not found" in lines[0]
