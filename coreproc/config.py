@@ -22,6 +22,19 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message is one line meant for the user."""
 
 
+def cpu_has_fast_half() -> bool:
+    """Whether this CPU computes bfloat16/float16 natively (AVX-512 BF16 / AMX); else they are emulated."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+    except OSError:
+        pass
+    return False
+
+
 def default_model_dir() -> Path:
     """The small model bundled with Ember, used whenever no model is given."""
     return Path(__file__).resolve().parent.parent / "tools" / "default_model"
@@ -51,7 +64,10 @@ class ModelConfig:
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
+        device: str = "cpu",
     ) -> ModelConfig:
+        """Read config.json. dtype "auto" takes the checkpoint's dtype, except that on a CPU without
+        native half-precision arithmetic it computes in float32 (emulated bf16 is many times slower)."""
         path = Path(model) if model is not None else default_model_dir()
         if not path.is_dir():
             raise ConfigError(f"model directory not found: {path}")
@@ -76,6 +92,8 @@ class ModelConfig:
         if dtype == "auto":
             dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
             if dtype not in DTYPES:
+                dtype = "float32"
+            if dtype != "float32" and device == "cpu" and not cpu_has_fast_half():
                 dtype = "float32"
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
@@ -173,6 +191,10 @@ class DeviceConfig:
 
         return "cuda" if torch.cuda.is_available() else "cpu"
 
+    @property
+    def resolved_type(self) -> str:
+        return self.resolved.split(":")[0]
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -206,7 +228,10 @@ class EngineConfig:
         attention_backend: str | None = None,
     ) -> EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
-        model_cfg = ModelConfig.from_dir(model, dtype=dtype, max_model_len=max_model_len, seed=seed)
+        device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
+        model_cfg = ModelConfig.from_dir(
+            model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device_cfg.resolved_type
+        )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))
         return cls(
@@ -225,7 +250,7 @@ class EngineConfig:
                 policy=scheduling_policy,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
-            device=DeviceConfig(device=device, attention_backend=attention_backend),
+            device=device_cfg,
         )
 
     @property

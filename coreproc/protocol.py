@@ -3,11 +3,15 @@
 Shared by the frontend, the scheduler process (coreproc) and the workers. In-process engines pass these
 objects directly; multiprocess engines encode them with msgspec (msgpack), never pickle. Per-step
 messages are `array_like`, `omit_defaults` and `gc=False` so encoding stays cheap on the hot path.
-Directions: frontend -> core (`EngineRequest`), core -> workers (`SchedulerOutput`), workers -> core
-(`RunnerOutput`, `WorkerReady`), core -> frontend (`EngineOutput`).
+Directions: frontend -> core (`EngineRequest`, `AbortRequests`, `UtilityCall`), core -> frontend
+(`OutputBatch`, `UtilityResult`, `EngineDead`), core -> workers (`SchedulerOutput`, `Shutdown`),
+workers -> core (`WorkerReady`, `RunnerOutput`, `WorkerFailed`). On a socket every message is two
+frames: a one-byte kind (`KIND_OF`) and the msgpack body; each socket decodes only its direction.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -192,3 +196,90 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class AbortRequests(msgspec.Struct, array_like=True, gc=False):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A typed RPC to the core: "info", "stats", "reset_prefix_cache", "shutdown"."""
+
+    call_id: int
+    method: str
+    args: dict[str, Any] = {}
+
+
+class OutputBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    outputs: list[EngineOutput]
+    timestamp: float = 0.0
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineDead(msgspec.Struct, array_like=True):
+    """The core cannot go on (a worker died, a fatal error); every open request has failed."""
+
+    reason: str
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """What a client learns from the "info" call."""
+
+    model: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    tensor_parallel_size: int
+    version: str
+
+
+class StepRequest(msgspec.Struct, array_like=True, gc=False):
+    """One step for the workers, numbered so replies can be matched."""
+
+    step_id: int
+    scheduler_output: SchedulerOutput
+
+
+class StepResult(msgspec.Struct, array_like=True, gc=False):
+    step_id: int
+    rank: int
+    output: RunnerOutput
+
+
+class WorkerFailed(msgspec.Struct, array_like=True):
+    rank: int
+    error: str
+
+
+class Shutdown(msgspec.Struct, array_like=True):
+    reason: str = ""
+
+
+# ----------------------------------------------------------------------------- framing
+
+# one-byte kind frame -> message type; the high nibble says the direction
+KIND_OF: dict[type, bytes] = {
+    EngineRequest: b"\x01",
+    AbortRequests: b"\x02",
+    UtilityCall: b"\x03",
+    OutputBatch: b"\x11",
+    UtilityResult: b"\x12",
+    EngineDead: b"\x13",
+    StepRequest: b"\x21",
+    Shutdown: b"\x22",
+    WorkerReady: b"\x31",
+    StepResult: b"\x32",
+    WorkerFailed: b"\x33",
+}
+TYPE_OF: dict[bytes, type] = {kind: t for t, kind in KIND_OF.items()}
+
+TO_CORE = (EngineRequest, AbortRequests, UtilityCall)
+TO_CLIENT = (OutputBatch, UtilityResult, EngineDead)
+TO_WORKER = (StepRequest, Shutdown)
+FROM_WORKER = (WorkerReady, StepResult, WorkerFailed)

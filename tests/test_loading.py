@@ -110,8 +110,14 @@ def test_kv_cache_too_small_for_max_model_len(make_ckpt):
         LLM(str(make_ckpt("llama")), num_kv_blocks=3, max_model_len=128, show_progress=False)
 
 
-def test_bf16_checkpoint_loads_as_bf16_and_generates(make_ckpt):
-    llm = LLM(str(make_ckpt("qwen2", dtype="bfloat16")), show_progress=False)
+def test_bf16_checkpoint_dtype_auto_and_explicit(make_ckpt):
+    from coreproc.config import cpu_has_fast_half
+
+    path = make_ckpt("qwen2", dtype="bfloat16")
+    auto = LLM(str(path), show_progress=False)
+    # auto keeps the checkpoint's dtype unless this CPU would only emulate it
+    assert auto.config.model.dtype == ("bfloat16" if cpu_has_fast_half() else "float32")
+    llm = LLM(str(path), dtype="bfloat16", show_progress=False)
     assert llm.config.model.dtype == "bfloat16"
     runner = llm.engine.executor.worker.runner
     assert all(

@@ -99,8 +99,10 @@ class Worker:
         num_blocks = plan_kv_blocks(cfg, bytes_per_block, self.device)
         start = time.perf_counter()
         shape = (2, num_blocks, cfg.cache.block_size, num_kv_heads, head_dim)
+        # uninitialised on purpose: the kernels mask every slot beyond a sequence, and untouched host
+        # pages are never committed, so a large budget costs nothing until it is used
         kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.model.num_layers)
+            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.model.num_layers)
         ]
         log.info(
             "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; "

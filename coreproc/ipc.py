@@ -1,0 +1,131 @@
+"""ZeroMQ plumbing shared by the core, the workers and the client SDK.
+
+Runs in every process that has a socket. `Codec` frames protocol messages as [kind byte, msgpack body]
+and decodes only the kinds allowed on its socket (no pickle anywhere). Also: the private runtime
+directory for IPC endpoints (mode 0700, one per launch), loopback checks, and CurveZMQ key handling
+for TCP endpoints that are reachable from other hosts.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import msgspec
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from coreproc.protocol import KIND_OF
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent a frame that is not a message of this socket's direction."""
+
+
+class Codec:
+    """Encodes any protocol message; decodes only the message types given."""
+
+    def __init__(self, allowed: tuple[type, ...]) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoders = {KIND_OF[t]: msgspec.msgpack.Decoder(t) for t in allowed}
+
+    def encode(self, msg: Any) -> list[bytes]:
+        return [KIND_OF[type(msg)], self._encoder.encode(msg)]
+
+    def decode(self, frames: list[bytes] | list[zmq.Frame]) -> Any:
+        if len(frames) != 2:
+            raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+        kind, body = (f.bytes if isinstance(f, zmq.Frame) else f for f in frames)
+        decoder = self._decoders.get(kind)
+        if decoder is None:
+            raise ProtocolError(f"unexpected message kind {kind!r} on this socket")
+        try:
+            return decoder.decode(body)
+        except msgspec.DecodeError as e:
+            raise ProtocolError(f"malformed message: {e}") from None
+
+
+def make_runtime_dir() -> Path:
+    """A fresh private directory (0700) for this launch's IPC endpoints."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    base = base if base and os.access(base, os.W_OK) else None
+    path = Path(tempfile.mkdtemp(prefix="ember-", dir=base))
+    path.chmod(0o700)
+    return path
+
+
+def remove_runtime_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def ipc_endpoint(runtime_dir: Path, name: str) -> str:
+    return f"ipc://{runtime_dir / name}"
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """True for ipc:// and inproc:// endpoints and TCP on a loopback address."""
+    url = urlparse(endpoint)
+    if url.scheme in ("ipc", "inproc"):
+        return True
+    if url.scheme != "tcp" or url.hostname is None:
+        return False
+    host = url.hostname
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def generate_curve_keys(directory: Path) -> tuple[Path, Path]:
+    """Write a server and a client key pair; authorised client public keys go in `clients/`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    clients = directory / "clients"
+    clients.mkdir(exist_ok=True)
+    _, server_secret = zmq.auth.create_certificates(str(directory), "server")
+    client_public, client_secret = zmq.auth.create_certificates(str(directory), "client")
+    shutil.copy(client_public, clients / Path(client_public).name)
+    return Path(server_secret), Path(client_secret)
+
+
+class CurveServer:
+    """CURVE on a server socket: only clients whose public key is in `keys_dir/clients` get through."""
+
+    def __init__(self, context: zmq.Context, keys_dir: Path) -> None:
+        secret = keys_dir / "server.key_secret"
+        clients = keys_dir / "clients"
+        if not secret.is_file() or not clients.is_dir():
+            raise ValueError(f"{keys_dir} has no server.key_secret and clients/ (make them with `ember keygen`)")
+        self.public, self.secret = zmq.auth.load_certificate(str(secret))
+        self.auth = ThreadAuthenticator(context)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=str(clients))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        sock.curve_server = True
+
+    def stop(self) -> None:
+        self.auth.stop()
+
+
+def apply_curve_client(sock: zmq.Socket, server_public_key: Path, client_secret_key: Path) -> None:
+    """Make a client socket authenticate to a CURVE server."""
+    server_public, _ = zmq.auth.load_certificate(str(server_public_key))
+    public, secret = zmq.auth.load_certificate(str(client_secret_key))
+    sock.curve_serverkey = server_public
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret

@@ -1,0 +1,126 @@
+"""Attention backends: the one call an attention layer makes per forward step.
+
+A backend writes the step's new keys/values into the layer's paged cache, then runs decode
+attention on the leading decode rows and prefill attention on the rest. `TorchBackend` uses the
+pure-torch references (CPU and debugging); `TritonBackend` uses the Triton kernels (CUDA). The
+runner picks one at start-up with `select_backend` and keeps it for the life of the process.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from kernels.decode_attention import choose_num_splits, decode_attention_torch, decode_attention_triton
+from kernels.kv_write import write_kv_torch, write_kv_triton
+from kernels.metadata import AttentionMetadata
+from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
+
+ENV_VAR = "EMBER_ATTENTION_BACKEND"
+
+
+class AttentionBackend(ABC):
+    """What an attention layer calls once per step."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]; also writes k/v into the cache."""
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """Cache write, then decode op on the leading decode rows and prefill op on the rest.
+
+    Subclasses plug in the three ops (as staticmethods) and may add decode-only options.
+    """
+
+    write_kv_op: Callable[..., None]
+    decode_op: Callable[..., torch.Tensor]
+    prefill_op: Callable[..., torch.Tensor]
+
+    def decode_options(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> dict:
+        return {}
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """See `AttentionBackend.forward`; rows past num_actual_tokens (padding) come back as zeros."""
+        n_act, nd = meta.num_actual_tokens, meta.num_decode_tokens
+        self.write_kv_op(k[:n_act], v[:n_act], k_cache, v_cache, meta.slot_mapping[:n_act])
+        out = torch.empty_like(q)
+        if out.shape[0] > n_act:
+            out[n_act:].zero_()
+        if nd > 0:
+            opts = self.decode_options(q, k_cache, meta)
+            table, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+            self.decode_op(q[:nd], k_cache, v_cache, table, lens, scale, sliding_window, out=out[:nd], **opts)
+        if n_act > nd:
+            # Re-base the prefill requests' metadata so that their first query row is row 0.
+            self.prefill_op(
+                q[nd:n_act],
+                k_cache,
+                v_cache,
+                meta.block_tables[nd:],
+                meta.query_start_loc[nd:] - nd,
+                meta.seq_lens[nd:],
+                scale,
+                sliding_window,
+                [x - nd for x in meta.query_start_loc_cpu[nd:]],
+                meta.seq_lens_cpu[nd:],
+                out=out[nd:n_act],
+            )
+        return out
+
+
+class TorchBackend(PagedAttentionBackend):
+    name = "torch"
+    write_kv_op = staticmethod(write_kv_torch)
+    decode_op = staticmethod(decode_attention_torch)
+    prefill_op = staticmethod(prefill_attention_torch)
+
+
+class TritonBackend(PagedAttentionBackend):
+    name = "triton"
+    write_kv_op = staticmethod(write_kv_triton)
+    decode_op = staticmethod(decode_attention_triton)
+    prefill_op = staticmethod(prefill_attention_triton)
+
+    def decode_options(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> dict:
+        nd = meta.num_decodes
+        return {"num_splits": choose_num_splits(nd, k_cache.shape[2], meta.max_seq_len, q.device)}
+
+
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
+
+
+def select_backend(device: torch.device, override: str | None = None) -> AttentionBackend:
+    """override > $EMBER_ATTENTION_BACKEND > "triton" on CUDA, "torch" elsewhere."""
+    default = "triton" if torch.device(device).type == "cuda" else "torch"
+    name = (override or os.environ.get(ENV_VAR) or default).strip().lower()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    if name == "triton" and torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("the triton attention backend needs CUDA, or TRITON_INTERPRET=1 to run on the CPU")
+    return BACKENDS[name]()

@@ -1,0 +1,113 @@
+"""Scatter the new tokens' keys and values into the paged KV cache.
+
+Runs inside every attention layer before the attention op, on the model's device. The cache of
+one layer is k_cache / v_cache, each [num_blocks, block_size, num_kv_heads, head_dim] (usually
+views of one [2, ...] tensor, so only per-tensor strides are assumed). Token t goes to slot
+slot_mapping[t] = block_id * block_size + offset; negative slots are padding and are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (in place)."""
+    num_tokens = key.shape[0]
+    slots = slot_mapping[:num_tokens].long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kc_blk,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_blk,
+    stride_vc_slot,
+    stride_vc_head,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token: copies its [Hkv, D] key and value tiles into one cache slot.
+    tok = tl.program_id(0)
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    src_k = key_ptr + tok.to(tl.int64) * stride_kt + heads[:, None] * stride_kh + dims[None, :]
+    src_v = value_ptr + tok.to(tl.int64) * stride_vt + heads[:, None] * stride_vh + dims[None, :]
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    dst_k = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_slot + heads[:, None] * stride_kc_head
+    dst_v = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_slot + heads[:, None] * stride_vc_head
+    tl.store(dst_k + dims[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst_v + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton version of `write_kv_torch` (same contract). The last dim of every tensor must be dense."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in head_dim")
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        k_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )

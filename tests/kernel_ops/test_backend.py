@@ -1,0 +1,81 @@
+"""Tests of the attention backends and their selection (kernels/backend.py, kernels/metadata.py).
+
+Runs on CPU (Triton interpreter) or CUDA. TorchBackend and TritonBackend run the same mixed step
+(decodes, chunks after context, fresh prompts, padded rows) on caches holding stale garbage; both
+must write the same cache and agree with a naive per-token attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kernels import AttentionBackend, AttentionMetadata, select_backend
+from kernels.backend import TorchBackend, TritonBackend
+
+pytestmark = pytest.mark.model
+
+QUERY_LENS = [1, 1, 1, 5, 14, 1, 22]
+SEQ_LENS = [4, 17, 33, 12, 14, 9, 30]
+
+
+def _step(backend: AttentionBackend, case, window: int | None, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = case.kv.clone()
+    q, k, v, meta = case.q, case.k_new, case.v_new, case.meta
+    if pad:  # CUDA-graph style padding: extra rows whose slot is -1
+        gen = torch.Generator().manual_seed(pad)
+        q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], generator=gen).to(x)]) for x in (q, k, v))
+        minus_one = torch.full((pad,), -1, dtype=meta.slot_mapping.dtype, device=q.device)
+        meta = dataclasses.replace(meta, slot_mapping=torch.cat([meta.slot_mapping, minus_one]))
+    out = backend.forward(q, k, v, kv[0], kv[1], meta, case.scale, window)
+    return out, kv
+
+
+@pytest.mark.parametrize(("window", "block_size", "pad"), [(None, 8, 0), (6, 16, 3)])
+def test_torch_and_triton_backends_agree(build_case, naive_attention, window, block_size, pad) -> None:
+    case = build_case(QUERY_LENS, SEQ_LENS, block_size=block_size, write_new=False)  # 4 heads, 2 kv heads
+    assert case.meta.num_decodes == 3
+    ref_out, ref_kv = _step(TorchBackend(), case, window, pad)
+    out, kv = _step(TritonBackend(), case, window, pad)
+    n = case.meta.num_actual_tokens
+    assert out.shape == (n + pad, 4, 16)
+    torch.testing.assert_close(kv, ref_kv, atol=0.0, rtol=0.0, equal_nan=True)  # same slots written
+    assert not torch.equal(kv, case.kv) and bool(kv.isnan().any())  # new rows landed, garbage left alone
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:n].cpu().double(), naive_attention(case, window), atol=1e-5, rtol=1e-5)
+    assert bool((out[n:] == 0).all())
+
+
+def test_backends_bf16_agree(build_case, naive_attention) -> None:
+    case = build_case(QUERY_LENS, SEQ_LENS, num_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
+    ref_out, _ = _step(TorchBackend(), case, None, 0)
+    out, _ = _step(TritonBackend(), case, None, 0)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.cpu().double(), naive_attention(case, None), atol=2e-2, rtol=2e-2)
+
+
+def test_metadata_build() -> None:
+    meta = AttentionMetadata.build([1, 1, 3, 1], [5, 9, 3, 4], [[2, 0], [1, 4, 5], [3], [6]], 4, "cpu")
+    assert (meta.num_decodes, meta.num_decode_tokens, meta.num_actual_tokens) == (2, 2, 6)
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 9)
+    assert meta.query_start_loc_cpu == [0, 1, 2, 5, 6] and meta.seq_lens_cpu == [5, 9, 3, 4]
+    assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.tolist()[0] == [2, 0, 0]
+    # req0 pos 4 -> block 0; req1 pos 8 -> block 5; req2 pos 0..2 -> block 3; req3 pos 3 -> block 6
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.slot_mapping.tolist() == [0, 20, 12, 13, 14, 27]
+
+
+def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EMBER_ATTENTION_BACKEND", raising=False)
+    assert select_backend(torch.device("cpu")).name == "torch"
+    assert select_backend(torch.device("cuda")).name == "triton"
+    assert isinstance(select_backend(torch.device("cpu"), "triton"), TritonBackend)
+    monkeypatch.setenv("EMBER_ATTENTION_BACKEND", "triton")
+    assert select_backend(torch.device("cpu")).name == "triton"
+    assert select_backend(torch.device("cuda"), override="torch").name == "torch"
+    monkeypatch.setenv("EMBER_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match="torch"):
+        select_backend(torch.device("cpu"))
