@@ -107,7 +107,7 @@ class CurveServer:
         secret = keys_dir / "server.key_secret"
         clients = keys_dir / "clients"
         if not secret.is_file() or not clients.is_dir():
-            raise ValueError(f"{keys_dir} has no server.key_secret and clients/ (make them with `ember keygen`)")
+            raise ValueError(f"{keys_dir} lacks server.key_secret or clients/ (see `ember keygen`)")
         self.public, self.secret = zmq.auth.load_certificate(str(secret))
         self.auth = ThreadAuthenticator(context)
         self.auth.start()
