@@ -1,17 +1,21 @@
 """EngineCore: the scheduler loop around an executor, as a short named sequence per step.
 
-Runs in the scheduler process (or in-process under the offline `LLM`). Takes `EngineRequest`s and aborts,
-and produces `EngineOutput`s: step = schedule -> execute on the workers -> update from their output.
+Runs in the scheduler process (or in-process under the offline `LLM` and batch mode). Takes
+`EngineRequest`s and aborts, produces `EngineOutput`s. `step()` = schedule -> execute -> update.
+`step_overlapped()` keeps one step in flight: it schedules step N+1 while the workers run step N
+(tokens being sampled are held as placeholders), which hides the scheduler's work behind the model's.
 The KV block count comes from the workers' `WorkerReady` messages, never from the config.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from coreproc.config import EngineConfig
-from coreproc.executor import Executor, InprocExecutor
-from coreproc.protocol import EngineOutput, EngineRequest
+from coreproc.executor import Executor, make_executor
+from coreproc.ipc import make_runtime_dir, remove_runtime_dir
+from coreproc.protocol import EngineOutput, EngineRequest, SchedulerOutput
 from coreproc.scheduler import Scheduler
 
 log = logging.getLogger("ember.core")
@@ -21,16 +25,26 @@ MAX_IDLE_STEPS = 4
 
 
 class EngineCore:
-    """Scheduler + executor; not thread-safe (one caller drives `step`)."""
+    """Scheduler + executor; not thread-safe (one caller drives the steps)."""
 
     def __init__(
         self, config: EngineConfig, executor: Executor | None = None, show_progress: bool = True
     ) -> None:
         self.config = config
-        self.executor = executor or InprocExecutor(config, show_progress)
+        self._runtime_dir: Path | None = None
+        if executor is None:
+            if config.parallel.tensor_parallel_size > 1:
+                self._runtime_dir = make_runtime_dir()
+            try:
+                executor = make_executor(config, self._runtime_dir, show_progress)
+            except BaseException:
+                self._remove_runtime_dir()
+                raise
+        self.executor = executor
         num_blocks = min(r.num_kv_blocks for r in self.executor.ready)
         self.scheduler = Scheduler(config, num_blocks)
         self._idle_steps = 0
+        self._in_flight: SchedulerOutput | None = None
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
@@ -39,17 +53,38 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[EngineOutput]:
         """Run one engine step; returns the outputs of every request that made progress."""
+        if self._in_flight is not None:
+            return self.step_overlapped()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute_model(scheduler_output)
+        self.executor.submit(scheduler_output)
+        return self._finish(scheduler_output)
+
+    def step_overlapped(self) -> list[EngineOutput]:
+        """Like `step`, but the next step is scheduled and submitted before this call returns."""
+        if self._in_flight is None:
+            if not self.scheduler.has_unfinished_requests():
+                return []
+            self._in_flight = self.scheduler.schedule()
+            self.executor.submit(self._in_flight)
+        running, self._in_flight = self._in_flight, None
+        upcoming = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        outputs = self._finish(running)
+        if upcoming is not None and (upcoming.total_num_scheduled_tokens or upcoming.finished_req_ids):
+            self.executor.submit(upcoming)
+            self._in_flight = upcoming
+        return outputs
+
+    def _finish(self, scheduler_output: SchedulerOutput) -> list[EngineOutput]:
+        runner_output = self.executor.wait()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._idle_steps = 0 if scheduler_output.total_num_scheduled_tokens else self._idle_steps + 1
-        if self._idle_steps > MAX_IDLE_STEPS:
+        if self._idle_steps > MAX_IDLE_STEPS and self.scheduler.has_unfinished_requests():
             # never sit "healthy but stuck": fail what is queued, loudly, rather than spin
             log.error("scheduler made no progress for %d steps; failing queued requests", self._idle_steps)
             outputs += self.scheduler.fail_all("the engine could not schedule queued requests (no progress)")
@@ -62,5 +97,13 @@ class EngineCore:
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()
 
+    def _remove_runtime_dir(self) -> None:
+        if self._runtime_dir is not None:
+            remove_runtime_dir(self._runtime_dir)
+            self._runtime_dir = None
+
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        try:
+            self.executor.shutdown()
+        finally:
+            self._remove_runtime_dir()

@@ -1,36 +1,196 @@
 """Executors fan one scheduler step out to the workers and gather what they return.
 
-Runs in the scheduler process. `InprocExecutor` holds a single worker in this process (the offline
-engine and tests); a multiprocess executor over ZeroMQ with the same two calls serves `ember core`.
+Runs in the scheduler process. Both executors have the same calls: `submit(step)` starts a step and
+`wait()` returns its `RunnerOutput`, so the core can schedule step N+1 while step N runs.
+`InprocExecutor` holds one worker in this process (the offline engine, tests). `MultiprocExecutor`
+spawns one worker process per tensor-parallel rank, talks to them over a ZeroMQ ROUTER socket in the
+launch's private runtime directory, and notices a dead worker within a poll interval.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Protocol
 
+import msgspec
+import zmq
+
 from coreproc.config import EngineConfig
-from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
+from coreproc.ipc import Codec, ipc_endpoint
+from coreproc.protocol import (
+    FROM_WORKER,
+    RunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    StepRequest,
+    StepResult,
+    WorkerFailed,
+    WorkerReady,
+)
+
+log = logging.getLogger("ember.executor")
+
+POLL_MS = 100
+
+
+class WorkerError(RuntimeError):
+    """A worker died or failed; the engine cannot continue."""
 
 
 class Executor(Protocol):
     ready: list[WorkerReady]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput: ...
+    def submit(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def wait(self) -> RunnerOutput: ...
+
+    def check_alive(self) -> None: ...
 
     def shutdown(self) -> None: ...
 
 
 class InprocExecutor:
-    """One worker in the calling process; used by the offline `LLM` and by tests."""
+    """One worker in the calling process; `submit` runs the step at once."""
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         from workers.worker import Worker
 
         self.worker = Worker(config)
         self.ready = [self.worker.load(show_progress)]
+        self._result: RunnerOutput | None = None
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        self._result = self.worker.execute_model(scheduler_output)
+
+    def wait(self) -> RunnerOutput:
+        result, self._result = self._result, None
+        assert result is not None, "wait() without submit()"
+        return result
+
+    def check_alive(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         self.worker = None
+
+
+class MultiprocExecutor:
+    """One process per TP rank; every rank runs every step, rank 0 returns the tokens."""
+
+    def __init__(self, config: EngineConfig, runtime_dir: Path, ready_timeout: float = 600.0) -> None:
+        self.size = config.parallel.tensor_parallel_size
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        endpoint = ipc_endpoint(runtime_dir, "workers")
+        self.sock.bind(endpoint)
+        self.codec = Codec(FROM_WORKER)
+        self.identities = [f"w{rank}".encode() for rank in range(self.size)]
+        self.procs: list[subprocess.Popen] = []
+        self._step = 0
+        self._pending = False
+        config_json = msgspec.json.encode(config)
+        try:
+            for rank in range(self.size):
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "workers.worker_proc",
+                    "--rank",
+                    str(rank),
+                    "--endpoint",
+                    endpoint,
+                ]
+                cmd += ["--runtime-dir", str(runtime_dir), "--parent-pid", str(os.getpid())]
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+                proc.stdin.write(config_json)
+                proc.stdin.close()
+                self.procs.append(proc)
+            self.ready = self._wait_ready(ready_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout: float) -> list[WorkerReady]:
+        ready: dict[int, WorkerReady] = {}
+        deadline = time.monotonic() + timeout
+        while len(ready) < self.size:
+            if time.monotonic() > deadline:
+                raise WorkerError(f"workers not ready after {timeout:.0f}s ({len(ready)}/{self.size} ready)")
+            msg = self._recv(POLL_MS)
+            if isinstance(msg, WorkerReady):
+                ready[msg.rank] = msg
+        return [ready[r] for r in range(self.size)]
+
+    def _recv(self, timeout_ms: int) -> object | None:
+        """One message from any worker, or None; raises WorkerError on failure or death."""
+        if self.sock.poll(timeout_ms):
+            _, *frames = self.sock.recv_multipart()
+            msg = self.codec.decode(frames)
+            if isinstance(msg, WorkerFailed):
+                raise WorkerError(f"worker {msg.rank} failed: {msg.error}")
+            return msg
+        self.check_alive()
+        return None
+
+    def check_alive(self) -> None:
+        for rank, p in enumerate(self.procs):
+            code = p.poll()
+            if code is not None:
+                raise WorkerError(f"worker {rank} (pid {p.pid}) died with exit code {code}")
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        assert not self._pending, "submit() while a step is in flight"
+        self._step += 1
+        kind, body = self.codec.encode(StepRequest(self._step, scheduler_output))
+        for identity in self.identities:
+            self.sock.send_multipart([identity, kind, body], copy=False)
+        self._pending = True
+
+    def wait(self) -> RunnerOutput:
+        assert self._pending, "wait() without submit()"
+        done: set[int] = set()
+        result = RunnerOutput()
+        while len(done) < self.size:
+            msg = self._recv(POLL_MS)
+            if isinstance(msg, StepResult) and msg.step_id == self._step:
+                done.add(msg.rank)
+                if msg.rank == 0:
+                    result = msg.output
+        self._pending = False
+        return result
+
+    def shutdown(self) -> None:
+        """Ask workers to exit, then make sure they did (no orphans)."""
+        kind, body = self.codec.encode(Shutdown())
+        for identity, p in zip(self.identities, self.procs):
+            if p.poll() is None:
+                try:
+                    self.sock.send_multipart([identity, kind, body], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def make_executor(
+    config: EngineConfig, runtime_dir: Path | None = None, show_progress: bool = True
+) -> Executor:
+    """In-process for a single device, worker processes otherwise (or when a runtime dir is given)."""
+    if config.parallel.tensor_parallel_size == 1 and runtime_dir is None:
+        return InprocExecutor(config, show_progress)
+    if runtime_dir is None:
+        raise ValueError("tensor parallelism needs worker processes and a runtime directory")
+    return MultiprocExecutor(config, runtime_dir)

@@ -36,6 +36,16 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop worker processes (tensor parallelism) and free the engine."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

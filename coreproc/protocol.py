@@ -237,6 +237,14 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     block_size: int
     tensor_parallel_size: int
     version: str
+    eos_token_ids: list[int] = []
+
+
+class CoreReady(msgspec.Struct, kw_only=True):
+    """Sent once by a core process to its launcher: where clients connect, or why it failed."""
+
+    address: str = ""
+    error: str | None = None
 
 
 class StepRequest(msgspec.Struct, array_like=True, gc=False):
@@ -276,6 +284,7 @@ KIND_OF: dict[type, bytes] = {
     WorkerReady: b"\x31",
     StepResult: b"\x32",
     WorkerFailed: b"\x33",
+    CoreReady: b"\x41",
 }
 TYPE_OF: dict[bytes, type] = {kind: t for t, kind in KIND_OF.items()}
 

@@ -59,6 +59,8 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         self.in_workers = False  # workers hold its state (sent as NewRequestData, not yet forgotten)
         self.num_preemptions = 0
+        # tokens being sampled by a step still in flight (overlapped scheduling); their ids are unknown
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:

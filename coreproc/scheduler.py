@@ -142,6 +142,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # the in-flight token, if any, is dropped and re-sampled
         req.num_preemptions += 1
         self.num_preemptions += 1
         if req.in_workers:
@@ -150,7 +151,16 @@ class Scheduler:
         self.waiting.add(req)
 
     def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
-        return max(0, min(req.num_tokens - computed, budget, self.max_model_len - computed))
+        pending = req.num_output_placeholders
+        if pending:
+            # a step in flight samples this request's next token; skip if that token must be its last
+            max_tokens = req.sampling_params.max_tokens
+            if max_tokens is not None and req.num_output_tokens + pending >= max_tokens:
+                return 0
+            if req.num_tokens + pending >= self.max_model_len:
+                return 0
+        total = req.num_tokens + pending
+        return max(0, min(total - computed, budget, self.max_model_len - computed))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.token_budget
@@ -231,6 +241,8 @@ class Scheduler:
                 )
                 req.in_workers = True
             req.num_computed_tokens += n
+            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+                req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
         self.num_steps += 1
         return out
 
@@ -278,6 +290,7 @@ class Scheduler:
                 prompt_lps = self._new_prompt_logprobs(req, prompt_lps, start)
             status = None
             accepted = 0
+            req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
             for token in tokens:
                 req.append_output_token(token)
                 accepted += 1

@@ -100,6 +100,12 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return make_model.run(args)
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    from coreproc import batch
+
+    return batch.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Ember: LLM inference and serving")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
@@ -110,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL in, JSONL out) through the engine")
+    from coreproc import batch
+
+    batch.add_arguments(bt)
+    add_engine_args(bt)
+    bt.set_defaults(func=cmd_batch)
 
     mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
     from tools import make_model

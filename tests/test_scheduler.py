@@ -49,12 +49,14 @@ def make_config(**kw) -> EngineConfig:
 
 
 def fake_runner_output(sched: Scheduler, out, rng: random.Random) -> RunnerOutput:
-    """What workers would return: one token for each request that computed all its known tokens."""
+    """What workers would return for a step just scheduled: a token for each request whose chunk
+    reached the end of its tokens (the scheduler then holds a placeholder for it)."""
     ids, tokens, lps = [], [], []
     for rid in out.num_scheduled_tokens:
         req = sched.requests[rid]
         ids.append(rid)
-        if req.num_computed_tokens == req.num_tokens:
+        pending = req.num_output_placeholders
+        if pending and req.num_computed_tokens == req.num_tokens + pending - 1:
             t = EOS if rng.random() < 0.05 else rng.randrange(2, VOCAB)
             tokens.append([t])
             lps.append([TokenLogprobs([t], [-1.0], 1)])
@@ -80,7 +82,7 @@ def check_invariants(sched: Scheduler, out) -> None:
         assert block.ref_cnt == refs.get(block.block_id, 0), f"{block} refcount drifted"
         assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free)
     for req in sched.requests.values():
-        assert req.num_computed_tokens <= req.num_tokens
+        assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
         if req.status != RequestStatus.RUNNING:
             assert req.request_id not in kv.req_blocks
 
@@ -95,8 +97,11 @@ request_strategy = st.tuples(
 )
 
 
-def run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed) -> Scheduler:
-    """Drive a scheduler through a workload, checking invariants after every call."""
+def run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed, overlap=False) -> Scheduler:
+    """Drive a scheduler through a workload, checking invariants after every call.
+
+    With `overlap`, step N+1 is scheduled before step N's output is applied (as the multiprocess
+    core does while workers run step N)."""
     rng = random.Random(seed)
     cfg = make_config(
         budget=budget, max_num_seqs=max_num_seqs, policy=policy, prefix=prefix, max_model_len=64
@@ -109,8 +114,9 @@ def run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed) -
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     finished: set[str] = set()
     aborted: set[str] = set()
+    in_flight = None
     step = 0
-    while pending or sched.has_unfinished_requests():
+    while pending or sched.has_unfinished_requests() or in_flight:
         while pending and pending[0][1][0] <= step:
             i, (_, plen, max_tokens, prio, fam, _) = pending.pop(0)
             prompt = [rng.randrange(2, VOCAB) for _ in range(plen)]
@@ -133,12 +139,20 @@ def run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed) -
                     aborted.add(o.request_id)
         out = sched.schedule()
         check_invariants(sched, out)
-        for o in sched.update_from_output(out, fake_runner_output(sched, out, rng)):
-            if o.finished:
-                finished.add(o.request_id)
-        check_invariants(sched, out)
+        result = fake_runner_output(sched, out, rng)
+        applied = (out, result)
+        if overlap:
+            applied, in_flight = in_flight, ((out, result) if out.total_num_scheduled_tokens else None)
+        if applied is not None:
+            out, result = applied
+            for o in sched.update_from_output(out, result):
+                if o.finished:
+                    finished.add(o.request_id)
+            check_invariants(sched, out)
         step += 1
         assert step < 5000, "scheduler made no progress"
+    if overlap and in_flight:
+        sched.update_from_output(*in_flight)
     assert finished | aborted == {f"r{i}" for i in range(len(reqs))}
     assert sched.kv.num_blocks_in_use() == 0
     assert not sched.requests
@@ -154,14 +168,18 @@ def run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed) -
     policy=st.sampled_from(["fcfs", "priority"]),
     prefix=st.booleans(),
     seed=st.integers(0, 1000),
+    overlap=st.booleans(),
 )
-def test_random_workloads_always_finish(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed):
-    run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed)
+def test_random_workloads_always_finish(
+    reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed, overlap
+):
+    run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed, overlap)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("prefix", [False, True])
-def test_heavy_kv_pressure_preempts_and_finishes(policy, prefix):
+def test_heavy_kv_pressure_preempts_and_finishes(policy, prefix, overlap):
     """Forty requests on a cache that holds about one: many preemptions, still all finish clean."""
     rng = random.Random(7)
     reqs = [
@@ -175,7 +193,7 @@ def test_heavy_kv_pressure_preempts_and_finishes(policy, prefix):
         )
         for _ in range(40)
     ]
-    sched = run_workload(reqs, 48, 18, 8, policy, prefix, seed=1)
+    sched = run_workload(reqs, 48, 18, 8, policy, prefix, seed=1, overlap=overlap)
     assert sched.num_preemptions >= 10
     if prefix:
         assert sched.kv.hits > 0
@@ -329,8 +347,14 @@ def test_engine_fails_requests_instead_of_spinning():
             )
         ]
 
-        def execute_model(self, out: SchedulerOutput) -> RunnerOutput:
+        def submit(self, out: SchedulerOutput) -> None:
+            pass
+
+        def wait(self) -> RunnerOutput:
             return RunnerOutput()
+
+        def check_alive(self) -> None:
+            pass
 
         def shutdown(self) -> None:
             pass

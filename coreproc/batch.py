@@ -1,0 +1,412 @@
+"""`ember batch -i requests.jsonl -o results.jsonl`: an OpenAI batch file through one in-process engine.
+
+Runs in the user's shell process: it tokenizes (or renders chat templates), drives one `EngineCore`
+with continuous batching (at most `--max-in-flight` requests submitted at once) and detokenizes with the
+`OutputProcessor`. Reads OpenAI batch input lines ({custom_id, method, url, body}); writes one OpenAI
+batch output line per request as soon as it finishes (flushed, fsynced for files). Rerunning with the
+same output file skips custom_ids already answered. The body's "model" is not checked: one engine
+serves the whole file, and responses name the model that ran (its folder name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from coreproc.outputs import RequestOutput
+from coreproc.protocol import EngineRequest, InvalidParam
+from frontend.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    chat_choice,
+    chat_completion_response,
+    completion_choices,
+    completion_response,
+    parse_chat_request,
+    parse_completion_request,
+    prompt_inputs,
+    to_sampling_params,
+    usage_of,
+)
+
+URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many times --max-num-seqs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The batch options (the CLI adds the engine flags)."""
+    parser.add_argument("-i", "--input", required=True, help="OpenAI batch input JSONL ('-' for stdin)")
+    parser.add_argument("-o", "--output", required=True, help="results JSONL, appended ('-' for stdout)")
+    parser.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help=f"requests submitted to the engine at once (default {IN_FLIGHT_PER_SEQ} x --max-num-seqs)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+# ----------------------------------------------------------------------------- input lines
+
+
+class LineError(Exception):
+    """An input line that is not a valid batch request; becomes an error record for that line only."""
+
+    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.custom_id = custom_id
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    line_no: int
+    custom_id: str
+    kind: str  # "completion" | "chat"
+    body: dict
+
+
+def parse_line(line_no: int, raw: bytes, seen: set[str]) -> BatchItem:
+    """One input line; `seen` collects custom_ids so duplicates are refused (LineError)."""
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise LineError("invalid_json", f"line {line_no}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise LineError("invalid_line", f"line {line_no}: a batch line must be a JSON object")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise LineError("missing_custom_id", f"line {line_no}: custom_id must be a non-empty string")
+    if cid in seen:
+        raise LineError(
+            "duplicate_custom_id", f"line {line_no}: custom_id {cid!r} is used by an earlier line", cid
+        )
+    seen.add(cid)
+    if obj.get("method", "POST") != "POST":
+        raise LineError("invalid_method", f"line {line_no}: method must be POST", cid)
+    url = obj.get("url")
+    if url not in URLS:
+        raise LineError(
+            "invalid_url", f"line {line_no}: url must be one of {', '.join(URLS)}; got {url!r}", cid
+        )
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise LineError("missing_body", f"line {line_no}: body must be a JSON object", cid)
+    return BatchItem(line_no, cid, URLS[url], body)
+
+
+def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, content) of every non-blank line."""
+    for n, raw in enumerate(stream, 1):
+        if raw.strip():
+            yield n, raw
+
+
+def count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+# ----------------------------------------------------------------------------- output records
+
+
+def scan_output(path: str) -> tuple[set[str], set[str]]:
+    """Answered custom_ids and line-error messages of an earlier run; a partial last line is cut off."""
+    done_ids: set[str] = set()
+    done_errors: set[str] = set()
+    if not os.path.exists(path):
+        return done_ids, done_errors
+    good_end = 0
+    with open(path, "r+b") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                break  # killed mid-write
+            good_end += len(raw)
+            try:
+                rec = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(rec, dict):
+                continue
+            if rec.get("response") is not None and isinstance(rec.get("custom_id"), str):
+                done_ids.add(rec["custom_id"])
+            elif isinstance(rec.get("error"), dict):
+                done_errors.add(str(rec["error"].get("message")))
+        f.truncate(good_end)
+    return done_ids, done_errors
+
+
+class RecordSink:
+    """Appends one JSON record per line and makes it durable before returning."""
+
+    def __init__(self, path: str) -> None:
+        self.to_stdout = path == "-"
+        self.f: IO[bytes] = sys.stdout.buffer if self.to_stdout else open(path, "ab")  # noqa: SIM115
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.f.write(msgspec.json.encode(record) + b"\n")
+        self.f.flush()
+        if not self.to_stdout:
+            os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        if not self.to_stdout:
+            self.f.close()
+
+
+def line_error_record(err: LineError) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": err.custom_id,
+        "response": None,
+        "error": {"code": err.code, "message": str(err)},
+    }
+
+
+def response_record(custom_id: str, request_id: str, status: int, body: dict) -> dict[str, Any]:
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Job:
+    """One batch line in the engine: one sub-request per prompt (completions may carry several)."""
+
+    item: BatchItem
+    request: CompletionRequest | ChatCompletionRequest
+    rids: list[str]
+    results: dict[str, RequestOutput] = field(default_factory=dict)
+    created: int = 0
+
+
+class BatchRunner:
+    """Submits batch items to the engine, steps it and writes each record as its request finishes."""
+
+    def __init__(self, engine: Any, tokenizer: Any, eos_ids: list[int], model_name: str, sink: RecordSink):
+        from frontend.output_processor import OutputProcessor
+
+        self.engine, self.tokenizer, self.eos_ids = engine, tokenizer, eos_ids
+        self.model_name = model_name
+        self.max_model_len = engine.config.model.max_model_len
+        self.vocab_size = engine.config.model.vocab_size
+        self.sink = sink
+        self.processor = OutputProcessor(tokenizer)
+        self.jobs: dict[str, Job] = {}  # by sub-request id
+        self.in_flight = 0
+        self.num_ok = self.num_errors = self.tokens = 0
+        self._next = 0
+
+    def _prompts(self, item: BatchItem) -> tuple[Any, list[tuple[str | None, list[int]]]]:
+        if item.kind == "chat":
+            from frontend.chat import render_chat
+
+            req = parse_chat_request(item.body)
+            ids = render_chat(self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt)
+            return req, [(None, ids)]
+        req = parse_completion_request(item.body)
+        out = []
+        for p in prompt_inputs(req):
+            if isinstance(p, str):
+                out.append((p, self.tokenizer(p).input_ids))
+                continue
+            if any(t < 0 or t >= self.vocab_size for t in p):
+                raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+            out.append((self.tokenizer.decode(p) if req.echo else None, p))
+        return req, out
+
+    def submit(self, item: BatchItem) -> None:
+        """Queue one request, or write its 400 record at once if it is invalid."""
+        try:
+            req, prompts = self._prompts(item)
+            params = [to_sampling_params(req, len(ids), self.max_model_len) for _, ids in prompts]
+        except (RequestError, InvalidParam, ValueError) as e:
+            return self._reject(item, e)
+        job = Job(item, req, [], created=int(time.time()))
+        engine_ids: list[str] = []
+        try:
+            for (text, ids), sp in zip(prompts, params):
+                rid = f"b{self._next}"
+                self._next += 1
+                job.rids.append(rid)
+                for eid, sub in self.processor.add_request(rid, text, ids, sp):
+                    engine_ids.append(eid)
+                    self.engine.add_request(
+                        EngineRequest(
+                            request_id=eid,
+                            prompt_token_ids=ids,
+                            sampling_params=sub,
+                            eos_token_ids=self.eos_ids,
+                            arrival_time=time.time(),
+                            priority=req.priority,
+                            cache_salt=req.cache_salt,
+                        )
+                    )
+        except (InvalidParam, ValueError) as e:
+            self.engine.abort_requests(engine_ids)
+            for rid in job.rids:
+                self.processor.discard(rid)
+            return self._reject(item, e)
+        for rid in job.rids:
+            self.jobs[rid] = job
+        self.in_flight += 1
+
+    def _reject(self, item: BatchItem, e: Exception) -> None:
+        err = e if isinstance(e, RequestError) else RequestError(str(e), getattr(e, "param", None))
+        self.sink.write(
+            response_record(item.custom_id, f"req_{uuid.uuid4().hex}", err.status, err.error_body())
+        )
+        self.num_errors += 1
+
+    def step(self) -> int:
+        """One engine step; returns how many requests finished (their records are written)."""
+        deltas, to_abort = self.processor.process(self.engine.step())
+        if to_abort:
+            self.engine.abort_requests(to_abort)
+        finished = 0
+        for d in deltas:
+            self.tokens += len(d.token_ids)
+            if d.finish_reason is None:
+                continue
+            result = self.processor.pop_finished(d.request_id)
+            if result is None:
+                continue
+            job = self.jobs.pop(d.request_id)
+            job.results[d.request_id] = result
+            if len(job.results) == len(job.rids):
+                self._finish(job)
+                finished += 1
+        assert self.engine.has_unfinished_requests() or not self.jobs, (
+            "requests lost between processor and engine"
+        )
+        return finished
+
+    def _finish(self, job: Job) -> None:
+        self.in_flight -= 1
+        results = [job.results[rid] for rid in job.rids]
+        hexid = uuid.uuid4().hex
+        if any(o.finish_reason == "error" for r in results for o in r.outputs):
+            err = RequestError("the engine failed this request", status=500, err_type="internal_error")
+            self.sink.write(response_record(job.item.custom_id, f"req_{hexid}", 500, err.error_body()))
+            self.num_errors += 1
+            return
+        req, use = job.request, usage_of(results)
+        if isinstance(req, ChatCompletionRequest):
+            top = (req.top_logprobs or 0) if req.logprobs else None
+            choices = [chat_choice(o, top) for o in results[0].outputs]
+            body = chat_completion_response(f"chatcmpl-{hexid}", self.model_name, job.created, choices, use)
+        else:
+            choices = []
+            for k, r in enumerate(results):
+                choices += completion_choices(
+                    r, echo=req.echo, logprobs=req.logprobs, first_index=k * req.n, decode=self._decode
+                )
+            body = completion_response(f"cmpl-{hexid}", self.model_name, job.created, choices, use)
+        self.sink.write(response_record(job.item.custom_id, f"req_{hexid}", 200, body))
+        self.num_ok += 1
+
+    def _decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a batch file; 0 when every line got a record, 1 if the engine failed (rerun to resume)."""
+    from tqdm import tqdm
+
+    if args.input != "-" and not os.path.isfile(args.input):
+        raise FileNotFoundError(f"input file not found: {args.input}")
+    if args.input != "-" and args.output != "-" and os.path.exists(args.output):
+        if os.path.samefile(args.input, args.output):
+            raise ValueError("the output file must not be the input file")
+    if args.max_in_flight is not None and args.max_in_flight < 1:
+        raise ValueError("--max-in-flight must be at least 1")
+    done_ids, done_errors = scan_output(args.output) if args.output != "-" else (set(), set())
+    total = count_lines(args.input) if args.input != "-" else None
+
+    from coreproc.config import EngineConfig
+    from coreproc.engine import EngineCore
+    from frontend.cli import engine_kwargs
+    from frontend.tokenizer import eos_token_ids, load_tokenizer
+
+    config = EngineConfig.create(**engine_kwargs(args))
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    engine = EngineCore(config, show_progress=not args.no_progress)
+    sink = RecordSink(args.output)
+    runner = BatchRunner(
+        engine, tokenizer, eos_token_ids(config.model.model, tokenizer), Path(config.model.model).name, sink
+    )
+    max_in_flight = args.max_in_flight or IN_FLIGHT_PER_SEQ * config.scheduler.max_num_seqs
+    stream = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")  # noqa: SIM115
+    lines = read_lines(stream)
+    bar = tqdm(total=total, desc="batch", unit="req", file=sys.stderr, disable=args.no_progress)
+    seen: set[str] = set()
+    skipped = 0
+    start = time.perf_counter()
+    try:
+        exhausted = False
+        while True:
+            while not exhausted and runner.in_flight < max_in_flight:
+                nxt = next(lines, None)
+                if nxt is None:
+                    exhausted = True
+                    break
+                try:
+                    item = parse_line(*nxt, seen)
+                except LineError as err:
+                    if str(err) in done_errors:
+                        skipped += 1
+                    else:
+                        sink.write(line_error_record(err))
+                        runner.num_errors += 1
+                    bar.update(1)
+                    continue
+                if item.custom_id in done_ids:
+                    skipped += 1
+                    bar.update(1)
+                    continue
+                before = runner.num_errors
+                runner.submit(item)
+                bar.update(runner.num_errors - before)
+            if runner.in_flight == 0 and exhausted:
+                break
+            finished = runner.step()
+            if finished:
+                bar.update(finished)
+                rate = runner.tokens / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+    except (Exception, KeyboardInterrupt) as e:
+        bar.close()
+        unfinished = runner.in_flight + sum(1 for _ in lines)
+        reason = "interrupted" if isinstance(e, KeyboardInterrupt) else (str(e).splitlines() or [repr(e)])[0]
+        hint = "; rerun with the same -o to resume" if args.output != "-" else ""
+        print(f"ember batch: error: {reason}; {unfinished} requests not finished{hint}", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    finally:
+        sink.close()
+        if stream is not sys.stdin.buffer:
+            stream.close()
+        engine.shutdown()
+    bar.close()
+    secs = time.perf_counter() - start
+    print(
+        f"ember batch: {runner.num_ok} done, {runner.num_errors} errors, {skipped} already in the output; "
+        f"{runner.tokens} tokens generated in {secs:.1f} s ({runner.tokens / max(secs, 1e-9):.0f} tok/s)",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,113 @@
+"""Entry point of a worker process (`ember-worker-N`): one device, one tensor-parallel rank.
+
+Started by the core's `MultiprocExecutor` as `python -m workers.worker_proc` with the engine config
+as JSON on stdin (no pickle, no re-import of the caller's main module). It joins the tensor-parallel group
+(gloo on CPU, NCCL on CUDA; a file rendezvous in the launch's private runtime directory, or
+MASTER_ADDR/MASTER_PORT when set for multi-host), loads its shard of the model, sends `WorkerReady`,
+then runs every `StepRequest` it receives and answers `StepResult` (rank 0 carries the sampled tokens;
+other ranks answer empty so the core knows they finished). Any error is reported as `WorkerFailed`.
+It exits on `Shutdown`, or on its own when the core process disappears.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from coreproc.config import EngineConfig
+from coreproc.ipc import Codec
+from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
+from workers.parallel import TPGroup
+
+log = logging.getLogger("ember.worker")
+
+PARENT_CHECK_MS = 500
+
+
+def init_tensor_parallel(config: EngineConfig, rank: int, runtime_dir: Path) -> TPGroup:
+    """Join the TP process group; a no-op group for a single rank."""
+    size = config.parallel.tensor_parallel_size
+    if size == 1:
+        return TPGroup()
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if config.device.resolved_type == "cuda" else "gloo"
+    if os.environ.get("MASTER_ADDR"):
+        init_method = "env://"
+    else:
+        init_method = f"file://{runtime_dir / 'tp-rendezvous'}"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    return TPGroup(rank=rank, size=size, group=dist.group.WORLD)
+
+
+def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str, parent_pid: int) -> None:
+    """Process main: never returns normally; exits 0 on shutdown, 1 on failure."""
+    from setproctitle import setproctitle
+
+    setproctitle(f"ember-worker-{rank}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when workers stop
+    logging.basicConfig(
+        level=os.environ.get("EMBER_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(endpoint)
+    codec = Codec(TO_WORKER)
+    code = 0
+    try:
+        from workers.worker import Worker
+
+        tp = init_tensor_parallel(config, rank, Path(runtime_dir))
+        cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
+        worker = Worker(cfg, tp)
+        sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
+        empty = RunnerOutput()
+        while True:
+            if not sock.poll(PARENT_CHECK_MS):
+                if os.getppid() != parent_pid:
+                    log.warning("rank %d: the core process is gone; exiting", rank)
+                    break
+                continue
+            msg = codec.decode(sock.recv_multipart())
+            if isinstance(msg, Shutdown):
+                break
+            assert isinstance(msg, StepRequest)
+            output = worker.execute_model(msg.scheduler_output)
+            sock.send_multipart(codec.encode(StepResult(msg.step_id, rank, output if rank == 0 else empty)))
+    except Exception as e:  # report, then die: the core fails its requests loudly
+        log.error("rank %d failed:\n%s", rank, traceback.format_exc())
+        sock.send_multipart(codec.encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
+        code = 1
+    finally:
+        sock.close()
+        ctx.term()
+    os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m workers.worker_proc")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--runtime-dir", required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    run_worker(config, args.rank, args.endpoint, args.runtime_dir, args.parent_pid)
+
+
+if __name__ == "__main__":
+    main()
