@@ -23,21 +23,9 @@ from typing import IO, Any
 import msgspec
 
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import EngineRequest, InvalidParam
-from frontend.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    RequestError,
-    chat_choice,
-    chat_completion_response,
-    completion_choices,
-    completion_response,
-    parse_chat_request,
-    parse_completion_request,
-    prompt_inputs,
-    to_sampling_params,
-    usage_of,
-)
+from coreproc.protocol import EngineRequest
+from frontend import openai_protocol as oai
+from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many times --max-num-seqs
@@ -78,31 +66,27 @@ class BatchItem:
 
 def parse_line(line_no: int, raw: bytes, seen: set[str]) -> BatchItem:
     """One input line; `seen` collects custom_ids so duplicates are refused (LineError)."""
+    fail = lambda code, message, cid=None: LineError(code, f"line {line_no}: {message}", cid)
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
-        raise LineError("invalid_json", f"line {line_no}: not valid JSON ({e})") from None
+        raise fail("invalid_json", f"not valid JSON ({e})") from None
     if not isinstance(obj, dict):
-        raise LineError("invalid_line", f"line {line_no}: a batch line must be a JSON object")
+        raise fail("invalid_line", "a batch line must be a JSON object")
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
-        raise LineError("missing_custom_id", f"line {line_no}: custom_id must be a non-empty string")
+        raise fail("missing_custom_id", "custom_id must be a non-empty string")
     if cid in seen:
-        raise LineError(
-            "duplicate_custom_id", f"line {line_no}: custom_id {cid!r} is used by an earlier line", cid
-        )
+        raise fail("duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", cid)
     seen.add(cid)
     if obj.get("method", "POST") != "POST":
-        raise LineError("invalid_method", f"line {line_no}: method must be POST", cid)
+        raise fail("invalid_method", "method must be POST", cid)
     url = obj.get("url")
     if url not in URLS:
-        raise LineError(
-            "invalid_url", f"line {line_no}: url must be one of {', '.join(URLS)}; got {url!r}", cid
-        )
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise LineError("missing_body", f"line {line_no}: body must be a JSON object", cid)
-    return BatchItem(line_no, cid, URLS[url], body)
+        raise fail("invalid_url", f"url must be one of {', '.join(URLS)}; got {url!r}", cid)
+    if not isinstance(obj.get("body"), dict):
+        raise fail("missing_body", "body must be a JSON object", cid)
+    return BatchItem(line_no, cid, URLS[url], obj["body"])
 
 
 def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
@@ -120,17 +104,25 @@ def count_lines(path: str) -> int:
 # ----------------------------------------------------------------------------- output records
 
 
-def scan_output(path: str) -> tuple[set[str], set[str]]:
-    """Answered custom_ids and line-error messages of an earlier run; a partial last line is cut off."""
-    done_ids: set[str] = set()
-    done_errors: set[str] = set()
+@dataclass(frozen=True)
+class Answered:
+    """What an earlier run already wrote: custom_ids with a response, and line-error messages."""
+
+    custom_ids: frozenset[str] = frozenset()
+    line_errors: frozenset[str] = frozenset()
+
+
+def scan_output(path: str) -> Answered:
+    """Read an earlier run's output (if any), cutting off a partial last line (killed mid-write)."""
+    ids: set[str] = set()
+    errors: set[str] = set()
     if not os.path.exists(path):
-        return done_ids, done_errors
+        return Answered()
     good_end = 0
     with open(path, "r+b") as f:
         for raw in f:
             if not raw.endswith(b"\n"):
-                break  # killed mid-write
+                break
             good_end += len(raw)
             try:
                 rec = msgspec.json.decode(raw)
@@ -139,11 +131,11 @@ def scan_output(path: str) -> tuple[set[str], set[str]]:
             if not isinstance(rec, dict):
                 continue
             if rec.get("response") is not None and isinstance(rec.get("custom_id"), str):
-                done_ids.add(rec["custom_id"])
+                ids.add(rec["custom_id"])
             elif isinstance(rec.get("error"), dict):
-                done_errors.add(str(rec["error"].get("message")))
+                errors.add(str(rec["error"].get("message")))
         f.truncate(good_end)
-    return done_ids, done_errors
+    return Answered(frozenset(ids), frozenset(errors))
 
 
 class RecordSink:
@@ -151,7 +143,10 @@ class RecordSink:
 
     def __init__(self, path: str) -> None:
         self.to_stdout = path == "-"
-        self.f: IO[bytes] = sys.stdout.buffer if self.to_stdout else open(path, "ab")  # noqa: SIM115
+        try:
+            self.f: IO[bytes] = sys.stdout.buffer if self.to_stdout else open(path, "ab")  # noqa: SIM115
+        except OSError as e:
+            raise ValueError(f"cannot write the output file {path}: {e.strerror}") from None
 
     def write(self, record: dict[str, Any]) -> None:
         self.f.write(msgspec.json.encode(record) + b"\n")
@@ -164,21 +159,13 @@ class RecordSink:
             self.f.close()
 
 
-def line_error_record(err: LineError) -> dict[str, Any]:
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": err.custom_id,
-        "response": None,
-        "error": {"code": err.code, "message": str(err)},
-    }
-
-
-def response_record(custom_id: str, request_id: str, status: int, body: dict) -> dict[str, Any]:
+def record(custom_id: str | None, response: dict | None = None, error: dict | None = None) -> dict[str, Any]:
+    """One OpenAI batch output line: a response (any status) or a line-level error."""
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,
-        "response": {"status_code": status, "request_id": request_id, "body": body},
-        "error": None,
+        "response": response,
+        "error": error,
     }
 
 
@@ -192,37 +179,69 @@ class Job:
     item: BatchItem
     request: CompletionRequest | ChatCompletionRequest
     rids: list[str]
+    created: int
     results: dict[str, RequestOutput] = field(default_factory=dict)
-    created: int = 0
 
 
 class BatchRunner:
-    """Submits batch items to the engine, steps it and writes each record as its request finishes."""
+    """Takes input lines, submits requests to the engine, steps it and writes each record as it finishes."""
 
-    def __init__(self, engine: Any, tokenizer: Any, eos_ids: list[int], model_name: str, sink: RecordSink):
+    def __init__(self, config: Any, sink: RecordSink, done: Answered, show_progress: bool = True) -> None:
+        from coreproc.engine import EngineCore
         from frontend.output_processor import OutputProcessor
+        from frontend.tokenizer import eos_token_ids, load_tokenizer
 
-        self.engine, self.tokenizer, self.eos_ids = engine, tokenizer, eos_ids
-        self.model_name = model_name
-        self.max_model_len = engine.config.model.max_model_len
-        self.vocab_size = engine.config.model.vocab_size
-        self.sink = sink
-        self.processor = OutputProcessor(tokenizer)
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.eos_ids = eos_token_ids(config.model.model, self.tokenizer)
+        self.model_name = Path(config.model.model).name
+        self.max_model_len, self.vocab_size = config.model.max_model_len, config.model.vocab_size
+        self.sink, self.done = sink, done
+        self.engine = EngineCore(config, show_progress=show_progress)
+        self.processor = OutputProcessor(self.tokenizer)
         self.jobs: dict[str, Job] = {}  # by sub-request id
+        self.seen: set[str] = set()  # custom_ids of the lines read so far
         self.in_flight = 0
-        self.num_ok = self.num_errors = self.tokens = 0
+        self.num_ok = self.num_errors = self.num_skipped = self.tokens = 0
         self._next = 0
+
+    def take(self, line_no: int, raw: bytes) -> int:
+        """Handle one input line; returns how many records it settled at once (skipped or refused)."""
+        try:
+            item = parse_line(line_no, raw, self.seen)
+        except LineError as err:
+            if str(err) in self.done.line_errors:
+                self.num_skipped += 1
+            else:
+                self.sink.write(record(err.custom_id, error={"code": err.code, "message": str(err)}))
+                self.num_errors += 1
+            return 1
+        if item.custom_id in self.done.custom_ids:
+            self.num_skipped += 1
+            return 1
+        before = self.num_errors
+        self.submit(item)
+        return self.num_errors - before
+
+    def count_unfinished(self, rest: Iterator[tuple[int, bytes]]) -> int:
+        """Requests in flight plus the unread lines that a rerun would still have to answer."""
+        n = self.in_flight
+        for line_no, raw in rest:
+            try:
+                n += parse_line(line_no, raw, self.seen).custom_id not in self.done.custom_ids
+            except LineError as err:
+                n += str(err) not in self.done.line_errors
+        return n
 
     def _prompts(self, item: BatchItem) -> tuple[Any, list[tuple[str | None, list[int]]]]:
         if item.kind == "chat":
             from frontend.chat import render_chat
 
-            req = parse_chat_request(item.body)
+            req = oai.parse_chat_request(item.body)
             ids = render_chat(self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt)
             return req, [(None, ids)]
-        req = parse_completion_request(item.body)
+        req = oai.parse_completion_request(item.body)
         out = []
-        for p in prompt_inputs(req):
+        for p in oai.prompt_inputs(req):
             if isinstance(p, str):
                 out.append((p, self.tokenizer(p).input_ids))
                 continue
@@ -235,10 +254,10 @@ class BatchRunner:
         """Queue one request, or write its 400 record at once if it is invalid."""
         try:
             req, prompts = self._prompts(item)
-            params = [to_sampling_params(req, len(ids), self.max_model_len) for _, ids in prompts]
-        except (RequestError, InvalidParam, ValueError) as e:
+            params = [oai.to_sampling_params(req, len(ids), self.max_model_len) for _, ids in prompts]
+        except ValueError as e:  # RequestError, InvalidParam, tokenizer errors
             return self._reject(item, e)
-        job = Job(item, req, [], created=int(time.time()))
+        job = Job(item, req, [], int(time.time()))
         engine_ids: list[str] = []
         try:
             for (text, ids), sp in zip(prompts, params):
@@ -258,7 +277,7 @@ class BatchRunner:
                             cache_salt=req.cache_salt,
                         )
                     )
-        except (InvalidParam, ValueError) as e:
+        except ValueError as e:  # InvalidParam from the scheduler
             self.engine.abort_requests(engine_ids)
             for rid in job.rids:
                 self.processor.discard(rid)
@@ -269,10 +288,16 @@ class BatchRunner:
 
     def _reject(self, item: BatchItem, e: Exception) -> None:
         err = e if isinstance(e, RequestError) else RequestError(str(e), getattr(e, "param", None))
+        self._respond(item.custom_id, uuid.uuid4().hex, err.status, err.error_body())
+
+    def _respond(self, custom_id: str, hexid: str, status: int, body: dict) -> None:
         self.sink.write(
-            response_record(item.custom_id, f"req_{uuid.uuid4().hex}", err.status, err.error_body())
+            record(custom_id, {"status_code": status, "request_id": f"req_{hexid}", "body": body})
         )
-        self.num_errors += 1
+        if status == 200:
+            self.num_ok += 1
+        else:
+            self.num_errors += 1
 
     def step(self) -> int:
         """One engine step; returns how many requests finished (their records are written)."""
@@ -303,26 +328,41 @@ class BatchRunner:
         hexid = uuid.uuid4().hex
         if any(o.finish_reason == "error" for r in results for o in r.outputs):
             err = RequestError("the engine failed this request", status=500, err_type="internal_error")
-            self.sink.write(response_record(job.item.custom_id, f"req_{hexid}", 500, err.error_body()))
-            self.num_errors += 1
-            return
-        req, use = job.request, usage_of(results)
+            return self._respond(job.item.custom_id, hexid, 500, err.error_body())
+        req, head = job.request, (self.model_name, job.created)
         if isinstance(req, ChatCompletionRequest):
             top = (req.top_logprobs or 0) if req.logprobs else None
-            choices = [chat_choice(o, top) for o in results[0].outputs]
-            body = chat_completion_response(f"chatcmpl-{hexid}", self.model_name, job.created, choices, use)
+            choices = [oai.chat_choice(o, top) for o in results[0].outputs]
+            body = oai.chat_completion_response(f"chatcmpl-{hexid}", *head, choices, oai.usage_of(results))
         else:
             choices = []
             for k, r in enumerate(results):
-                choices += completion_choices(
+                choices += oai.completion_choices(
                     r, echo=req.echo, logprobs=req.logprobs, first_index=k * req.n, decode=self._decode
                 )
-            body = completion_response(f"cmpl-{hexid}", self.model_name, job.created, choices, use)
-        self.sink.write(response_record(job.item.custom_id, f"req_{hexid}", 200, body))
-        self.num_ok += 1
+            body = oai.completion_response(f"cmpl-{hexid}", *head, choices, oai.usage_of(results))
+        self._respond(job.item.custom_id, hexid, 200, body)
 
     def _decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+
+def drive(runner: BatchRunner, lines: Iterator[tuple[int, bytes]], max_in_flight: int, bar: Any) -> None:
+    """Keep up to `max_in_flight` requests in the engine and step it until every line is answered."""
+    start = time.perf_counter()
+    exhausted = False
+    while True:
+        while not exhausted and runner.in_flight < max_in_flight:
+            nxt = next(lines, None)
+            exhausted = nxt is None
+            if nxt is not None:
+                bar.update(runner.take(*nxt))
+        if exhausted and runner.in_flight == 0:
+            return
+        finished = runner.step()
+        if finished:
+            bar.update(finished)
+            bar.set_postfix_str(f"{runner.tokens / (time.perf_counter() - start):.0f} tok/s", refresh=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -336,77 +376,43 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("the output file must not be the input file")
     if args.max_in_flight is not None and args.max_in_flight < 1:
         raise ValueError("--max-in-flight must be at least 1")
-    done_ids, done_errors = scan_output(args.output) if args.output != "-" else (set(), set())
+    done = scan_output(args.output) if args.output != "-" else Answered()
     total = count_lines(args.input) if args.input != "-" else None
 
     from coreproc.config import EngineConfig
-    from coreproc.engine import EngineCore
     from frontend.cli import engine_kwargs
-    from frontend.tokenizer import eos_token_ids, load_tokenizer
 
     config = EngineConfig.create(**engine_kwargs(args))
-    tokenizer = load_tokenizer(config.model.tokenizer)
-    engine = EngineCore(config, show_progress=not args.no_progress)
     sink = RecordSink(args.output)
-    runner = BatchRunner(
-        engine, tokenizer, eos_token_ids(config.model.model, tokenizer), Path(config.model.model).name, sink
-    )
+    try:
+        runner = BatchRunner(config, sink, done, show_progress=not args.no_progress)
+    except BaseException:
+        sink.close()
+        raise
     max_in_flight = args.max_in_flight or IN_FLIGHT_PER_SEQ * config.scheduler.max_num_seqs
     stream = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")  # noqa: SIM115
     lines = read_lines(stream)
     bar = tqdm(total=total, desc="batch", unit="req", file=sys.stderr, disable=args.no_progress)
-    seen: set[str] = set()
-    skipped = 0
     start = time.perf_counter()
     try:
-        exhausted = False
-        while True:
-            while not exhausted and runner.in_flight < max_in_flight:
-                nxt = next(lines, None)
-                if nxt is None:
-                    exhausted = True
-                    break
-                try:
-                    item = parse_line(*nxt, seen)
-                except LineError as err:
-                    if str(err) in done_errors:
-                        skipped += 1
-                    else:
-                        sink.write(line_error_record(err))
-                        runner.num_errors += 1
-                    bar.update(1)
-                    continue
-                if item.custom_id in done_ids:
-                    skipped += 1
-                    bar.update(1)
-                    continue
-                before = runner.num_errors
-                runner.submit(item)
-                bar.update(runner.num_errors - before)
-            if runner.in_flight == 0 and exhausted:
-                break
-            finished = runner.step()
-            if finished:
-                bar.update(finished)
-                rate = runner.tokens / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix_str(f"{rate:.0f} tok/s", refresh=False)
+        drive(runner, lines, max_in_flight, bar)
     except (Exception, KeyboardInterrupt) as e:
         bar.close()
-        unfinished = runner.in_flight + sum(1 for _ in lines)
         reason = "interrupted" if isinstance(e, KeyboardInterrupt) else (str(e).splitlines() or [repr(e)])[0]
         hint = "; rerun with the same -o to resume" if args.output != "-" else ""
+        unfinished = runner.count_unfinished(iter(()) if stream.isatty() else lines)
         print(f"ember batch: error: {reason}; {unfinished} requests not finished{hint}", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 1
     finally:
         sink.close()
         if stream is not sys.stdin.buffer:
             stream.close()
-        engine.shutdown()
+        runner.engine.shutdown()
     bar.close()
     secs = time.perf_counter() - start
     print(
-        f"ember batch: {runner.num_ok} done, {runner.num_errors} errors, {skipped} already in the output; "
-        f"{runner.tokens} tokens generated in {secs:.1f} s ({runner.tokens / max(secs, 1e-9):.0f} tok/s)",
+        f"ember batch: {runner.num_ok} done, {runner.num_errors} errors, {runner.num_skipped} already in the "
+        f"output; {runner.tokens} tokens generated in {secs:.1f} s ({runner.tokens / secs:.0f} tok/s)",
         file=sys.stderr,
     )
     return 0

@@ -30,6 +30,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
 
@@ -49,6 +50,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
         attention_backend=args.attention_backend,
     )
@@ -100,6 +102,41 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return make_model.run(args)
 
 
+def cmd_core(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coreproc.config import EngineConfig
+    from coreproc.core_proc import run_core_process
+    from coreproc.ipc import ipc_endpoint, make_runtime_dir, remove_runtime_dir
+
+    config = EngineConfig.create(**engine_kwargs(args))
+    runtime_dir = make_runtime_dir()
+    try:
+        listen = args.listen or ipc_endpoint(runtime_dir, "core")
+        keys = Path(args.curve_keys) if args.curve_keys else None
+        return run_core_process(
+            config,
+            listen,
+            runtime_dir,
+            curve_keys=keys,
+            shutdown_timeout=args.shutdown_timeout,
+            client_timeout=args.client_timeout,
+        )
+    finally:
+        remove_runtime_dir(runtime_dir)
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from coreproc.ipc import generate_curve_keys
+
+    server, client = generate_curve_keys(Path(args.directory))
+    print(f"server secret key: {server} (give the directory to `ember core --curve-keys`)")
+    print(f"client secret key: {client}; server public key: {server.with_suffix('.key')}")
+    return 0
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from coreproc import batch
 
@@ -116,6 +153,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
+    core.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")
+    core.add_argument(
+        "--listen", default=None, help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path)"
+    )
+    core.add_argument(
+        "--curve-keys", default=None, help="directory from `ember keygen` (required off loopback)"
+    )
+    core.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period on SIGTERM (s)")
+    core.add_argument(
+        "--client-timeout", type=float, default=10.0, help="abort requests of clients silent this long (s)"
+    )
+    add_engine_args(core)
+    core.set_defaults(func=cmd_core)
+
+    kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for `ember core --curve-keys` and clients")
+    kg.add_argument("directory")
+    kg.set_defaults(func=cmd_keygen)
 
     bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL in, JSONL out) through the engine")
     from coreproc import batch

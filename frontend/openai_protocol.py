@@ -94,9 +94,7 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
-    # str | list[str] | list[int] | list[list[int]]: checked by `prompt_inputs` (msgspec unions allow
-    # only one array type)
-    prompt: str | list[Any]
+    prompt: str | list[Any]  # str | list[str] | list[int] | list[list[int]], checked by `prompt_inputs`
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -255,12 +253,8 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return reason
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def usage_of(results: list[RequestOutput]) -> dict[str, int]:

@@ -71,6 +71,12 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     try:
         from workers.worker import Worker
 
+        if config.device.resolved_type == "cpu":
+            import torch
+
+            # ranks share the host's cores; oversubscribed OpenMP threads spin and stall each other
+            cores = len(os.sched_getaffinity(0))
+            torch.set_num_threads(max(1, cores // config.parallel.tensor_parallel_size))
         tp = init_tensor_parallel(config, rank, Path(runtime_dir))
         cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
         worker = Worker(cfg, tp)

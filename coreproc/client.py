@@ -1,0 +1,337 @@
+"""The ZeroMQ client SDK: talk to a running `ember-core` directly, without HTTP.
+
+Runs in the user's process. `AsyncEngineClient` (asyncio) and `EngineClient` (blocking, a private
+event loop in a thread) connect a DEALER socket to the core's ROUTER, send `EngineRequest`s and stream
+that request's `EngineOutput`s back (token ids, logprobs, finish reason); leaving a stream early aborts
+the request. A socket monitor notices a lost connection, and an `EngineDead` from the core fails every
+open stream with `EngineDeadError` instead of hanging. CURVE keys are used for non-loopback TCP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from coreproc.ipc import Codec, apply_curve_client
+from coreproc.protocol import (
+    TO_CLIENT,
+    AbortRequests,
+    EngineDead,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    OutputBatch,
+    SamplingParams,
+    UtilityCall,
+    UtilityResult,
+)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine died or the connection to it was lost."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine refused or failed one request; the message says why."""
+
+
+HEARTBEAT_S = 1.0
+
+_FATAL_EVENTS = {
+    zmq.EVENT_DISCONNECTED: "connection to the engine lost",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine refused our key",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "security handshake failed (does the engine require CURVE keys?)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "security handshake failed",
+}
+
+
+class AsyncEngineClient:
+    """asyncio client of one engine core. Use `await AsyncEngineClient.connect(address)`."""
+
+    def __init__(
+        self, address: str, *, server_key: Path | None = None, client_key: Path | None = None
+    ) -> None:
+        self.address = address
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        if server_key is not None:
+            if client_key is None:
+                raise ValueError("CURVE needs both the server's public key and our secret key")
+            apply_curve_client(self.sock, server_key, client_key)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | sum(_FATAL_EVENTS))
+        self.sock.connect(address)
+        self.codec = Codec(TO_CLIENT)
+        self.streams: dict[str, asyncio.Queue] = {}
+        self.calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self.dead: str | None = None
+        self.info_cache: EngineInfo | None = None
+        self._readers: list[asyncio.Task] = []
+
+    @classmethod
+    async def connect(cls, address: str, *, timeout: float = 30.0, **keys: Any) -> AsyncEngineClient:
+        """Connect and fetch the engine's info; raises EngineDeadError if it does not answer."""
+        client = cls(address, **keys)
+        try:
+            client.info_cache = await client.info(timeout=timeout)
+        except BaseException:
+            await client.aclose()
+            raise
+        return client
+
+    # ------------------------------------------------------------------ background reading
+
+    def _start(self) -> None:
+        if not self._readers:
+            self._readers = [
+                asyncio.ensure_future(c) for c in (self._read(), self._watch(), self._heartbeat())
+            ]
+
+    async def _heartbeat(self) -> None:
+        """While streams are open, tell the core we are alive (it aborts the requests of silent clients)."""
+        while self.dead is None:
+            if self.streams:
+                await self.sock.send_multipart(self.codec.encode(UtilityCall(0, "ping")))
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _read(self) -> None:
+        while self.dead is None:
+            try:
+                msg = self.codec.decode(await self.sock.recv_multipart())
+            except zmq.ZMQError:
+                return
+            if isinstance(msg, OutputBatch):
+                for out in msg.outputs:
+                    stream = self.streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put_nowait(out)
+            elif isinstance(msg, UtilityResult):
+                fut = self.calls.pop(msg.call_id, None)
+                if fut is not None and not fut.done():
+                    if msg.error is not None:
+                        fut.set_exception(EngineRequestError(msg.error))
+                    else:
+                        fut.set_result(msg.result)
+            elif isinstance(msg, EngineDead):
+                self._die(f"engine dead: {msg.reason}")
+
+    async def _watch(self) -> None:
+        while self.dead is None:
+            try:
+                event = parse_monitor_message(await self.monitor.recv_multipart())
+            except zmq.ZMQError:
+                return
+            reason = _FATAL_EVENTS.get(event["event"])
+            if reason is not None:
+                self._die(reason)
+
+    def _die(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = reason
+        for stream in self.streams.values():
+            stream.put_nowait(EngineDeadError(reason))
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(reason))
+        self.calls.clear()
+
+    async def _send(self, msg: object) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._start()
+        await self.sock.send_multipart(self.codec.encode(msg))
+
+    # ------------------------------------------------------------------ public calls
+
+    async def call(self, method: str, timeout: float | None = 30.0, **args: Any) -> Any:
+        """A utility RPC ("info", "stats", "reset_prefix_cache")."""
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
+        await self._send(UtilityCall(call_id, method, args))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            self.calls.pop(call_id, None)
+            raise EngineDeadError(
+                f"the engine at {self.address} did not answer {method!r} in {timeout}s"
+            ) from None
+
+    async def info(self, timeout: float | None = 30.0) -> EngineInfo:
+        return msgspec.convert(await self.call("info", timeout), EngineInfo)
+
+    async def stats(self) -> dict:
+        return await self.call("stats")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call("reset_prefix_cache")
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        eos_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Submit one request and stream its outputs; the last one has `finished` set."""
+        rid = request_id or uuid.uuid4().hex
+        stream: asyncio.Queue = asyncio.Queue()
+        self.streams[rid] = stream
+        done = False
+        try:
+            await self._send(
+                EngineRequest(
+                    request_id=rid,
+                    prompt_token_ids=list(prompt_token_ids),
+                    sampling_params=params or SamplingParams(),
+                    eos_token_ids=eos_token_ids or [],
+                    arrival_time=time.time(),
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
+            while True:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                if item.finish_reason == "error":
+                    done = True
+                    raise EngineRequestError(item.error or "request failed")
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self.streams.pop(rid, None)
+            if not done and self.dead is None:
+                self.sock.send_multipart(self.codec.encode(AbortRequests([rid])))
+
+    async def abort(self, request_id: str) -> None:
+        await self._send(AbortRequests([request_id]))
+
+    async def aclose(self) -> None:
+        """Abort what is still streaming, then close."""
+        if self.streams and self.dead is None:
+            await self.sock.send_multipart(self.codec.encode(AbortRequests(list(self.streams))))
+        for task in self._readers:
+            task.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        self.close()
+
+    def close(self) -> None:
+        """Close the sockets (prefer `await aclose()` inside a running loop)."""
+        for task in self._readers:
+            task.cancel()
+        self.monitor.close(0)
+        self.sock.disable_monitor()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class EngineClient:
+    """Blocking client: the same calls as `AsyncEngineClient`, on a private event-loop thread."""
+
+    def __init__(self, address: str, *, timeout: float = 30.0, **keys: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="ember-client", daemon=True)
+        self._thread.start()
+        self._pumps: set = set()
+        try:
+            self._client: AsyncEngineClient = self._run(
+                AsyncEngineClient.connect(address, timeout=timeout, **keys)
+            )
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.info_cache = self._client.info_cache
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def info(self) -> EngineInfo:
+        return self._run(self._client.info())
+
+    def stats(self) -> dict:
+        return self._run(self._client.stats())
+
+    def reset_prefix_cache(self) -> bool:
+        return self._run(self._client.reset_prefix_cache())
+
+    def abort(self, request_id: str) -> None:
+        self._run(self._client.abort(request_id))
+
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams | None = None, **kw: Any
+    ) -> Iterator[EngineOutput]:
+        """Blocking iterator over one request's outputs; closing it early aborts the request."""
+        items: queue.Queue = queue.Queue()
+        end = object()
+
+        async def pump() -> None:
+            try:
+                async for out in self._client.generate(prompt_token_ids, params, **kw):
+                    items.put(out)
+            except Exception as e:
+                items.put(e)
+            finally:
+                items.put(end)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        self._pumps.add(future)
+        future.add_done_callback(self._pumps.discard)
+        finished = False
+        try:
+            while (item := items.get()) is not end:
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished and not self._loop.is_closed():
+                future.cancel()  # cancels the stream, which aborts the request in the engine
+                try:
+                    future.result(timeout=30)
+                except BaseException:
+                    pass
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        for pump in list(self._pumps):  # open streams: cancel them (which aborts their requests)
+            pump.cancel()
+            try:
+                pump.result(timeout=30)
+            except BaseException:
+                pass
+        self._run(self._client.aclose())
+        self._stop_loop()
+        self._loop.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,323 @@
+"""The scheduler process (`ember-core`): serves clients over ZeroMQ and drives the workers.
+
+Clients (the SDK, the HTTP frontend) connect DEALER sockets to this process's ROUTER and send
+`EngineRequest` / `AbortRequests` / `UtilityCall`; each gets `OutputBatch`es for its own requests,
+`UtilityResult`s, and `EngineDead` if the engine fails. Each loop turn: drain client messages (block
+only when idle), run one overlapped engine step, route outputs. A dead worker fails every request at
+once and ends the process non-zero; SIGTERM/SIGINT stop admission, let running requests finish within
+a grace period, abort the rest, and exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import zmq
+
+from coreproc.config import EngineConfig
+from coreproc.engine import EngineCore
+from coreproc.executor import MultiprocExecutor, WorkerError
+from coreproc.ipc import Codec, CurveServer, is_loopback_endpoint
+from coreproc.protocol import (
+    TO_CORE,
+    AbortRequests,
+    CoreReady,
+    EngineDead,
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    InvalidParam,
+    OutputBatch,
+    UtilityCall,
+    UtilityResult,
+)
+
+log = logging.getLogger("ember.core")
+
+IDLE_POLL_MS = 200
+REAP_INTERVAL_S = 0.5
+
+
+def engine_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ember-serve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class CoreServer:
+    """One engine behind a ROUTER socket. Build it, then `serve()` until stopped."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        listen: str,
+        runtime_dir: Path,
+        curve_keys: Path | None = None,
+        shutdown_timeout: float = 30.0,
+        parent_pid: int | None = None,
+        client_timeout: float = 10.0,
+    ) -> None:
+        if not is_loopback_endpoint(listen) and curve_keys is None:
+            raise ValueError(
+                f"{listen} is reachable from other hosts: give --curve-keys DIR (see `ember keygen`)"
+            )
+        from frontend.tokenizer import eos_token_ids, load_tokenizer
+
+        self.config = config
+        self.shutdown_timeout = shutdown_timeout
+        self.eos_ids = eos_token_ids(config.model.model, load_tokenizer(config.model.tokenizer))
+        self.ctx = zmq.Context()
+        self.curve = CurveServer(self.ctx, curve_keys) if curve_keys is not None else None
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.curve is not None:
+            self.curve.apply(self.sock)
+        self.sock.bind(listen)
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.codec = Codec(TO_CORE)
+        self.engine = EngineCore(config, MultiprocExecutor(config, runtime_dir))
+        self.owner: dict[str, bytes] = {}  # request id -> client identity
+        self.last_seen: dict[bytes, float] = {}  # client identity -> last message time
+        self.client_timeout = client_timeout
+        self._last_reap = time.monotonic()
+        self.stopping_since: float | None = None
+        self.parent_pid = parent_pid  # the launcher: if it disappears, nobody is left to serve
+
+    def info(self) -> EngineInfo:
+        cfg = self.config
+        return EngineInfo(
+            model=cfg.model.model,
+            max_model_len=cfg.model.max_model_len,
+            vocab_size=cfg.model.vocab_size,
+            num_kv_blocks=self.engine.scheduler.kv.num_blocks,
+            block_size=cfg.cache.block_size,
+            tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+            version=engine_version(),
+            eos_token_ids=self.eos_ids,
+        )
+
+    # ------------------------------------------------------------------ client messages
+
+    def _send(self, identity: bytes, msg: object) -> None:
+        try:
+            self.sock.send_multipart([identity, *self.codec.encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # a client that went away cannot block the engine
+            log.warning("dropping a message to a client: %s", e)
+
+    def _route(self, outputs: list[EngineOutput]) -> None:
+        by_client: dict[bytes, list[EngineOutput]] = defaultdict(list)
+        for out in outputs:
+            identity = self.owner.get(out.request_id)
+            if identity is None:
+                continue
+            by_client[identity].append(out)
+            if out.finished:
+                del self.owner[out.request_id]
+        now = time.time()
+        for identity, batch in by_client.items():
+            self._send(identity, OutputBatch(batch, now))
+
+    def _handle(self, identity: bytes, msg: object) -> None:
+        self.last_seen[identity] = time.monotonic()
+        if isinstance(msg, EngineRequest):
+            self._add(identity, msg)
+        elif isinstance(msg, AbortRequests):
+            mine = [r for r in msg.request_ids if self.owner.get(r) == identity]
+            self._route(self.engine.abort_requests(mine))
+        elif isinstance(msg, UtilityCall) and msg.call_id:  # call id 0: a heartbeat, no reply
+            self._send(identity, self._utility(msg))
+
+    def _reap_silent_clients(self) -> None:
+        """Abort the requests of clients that stopped sending heartbeats (crashed or cut off)."""
+        now = time.monotonic()
+        if now - self._last_reap < REAP_INTERVAL_S:
+            return
+        self._last_reap = now
+        silent = {c for c, seen in self.last_seen.items() if now - seen > self.client_timeout}
+        if not silent:
+            return
+        orphans = [rid for rid, c in self.owner.items() if c in silent]
+        if orphans:
+            log.warning("aborting %d requests of %d silent clients", len(orphans), len(silent))
+            self._route(self.engine.abort_requests(orphans))
+        for c in silent:
+            del self.last_seen[c]
+
+    def _add(self, identity: bytes, req: EngineRequest) -> None:
+        def reject(reason: str) -> None:
+            self._send(
+                identity, OutputBatch([EngineOutput(req.request_id, finish_reason="error", error=reason)])
+            )
+
+        if self.stopping_since is not None:
+            return reject("the engine is shutting down")
+        if req.request_id in self.owner:
+            return reject(f"request id {req.request_id!r} is already in use")
+        if not req.eos_token_ids:
+            req.eos_token_ids = self.eos_ids
+        try:
+            self.engine.add_request(req)
+        except InvalidParam as e:
+            return reject(f"invalid {e.param or 'request'}: {e}")
+        self.owner[req.request_id] = identity
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        try:
+            if call.method == "info":
+                return UtilityResult(call.call_id, self.info())
+            if call.method == "stats":
+                return UtilityResult(call.call_id, self.engine.stats())
+            if call.method == "reset_prefix_cache":
+                return UtilityResult(call.call_id, self.engine.reset_prefix_cache())
+            return UtilityResult(call.call_id, error=f"unknown method {call.method!r}")
+        except Exception as e:  # a bad utility call must not take the engine down
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _drain(self, timeout_ms: int) -> None:
+        """Handle every waiting client message; wait up to `timeout_ms` for the first."""
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            identity, *frames = self.sock.recv_multipart()
+            try:
+                msg = self.codec.decode(frames)
+            except Exception as e:
+                log.warning("ignoring a malformed client message: %s", e)
+                continue
+            self._handle(identity, msg)
+
+    # ------------------------------------------------------------------ main loop
+
+    def request_stop(self, *_: object) -> None:
+        if self.stopping_since is None:
+            log.info("shutting down: no new requests; %d in flight", len(self.owner))
+            self.stopping_since = time.monotonic()
+
+    def serve(self) -> int:
+        """Run until stopped (exit code 0) or until a worker fails (exit code 1)."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                self._drain(0 if busy else IDLE_POLL_MS)
+                self._reap_silent_clients()
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    log.error("the launching process is gone; stopping")
+                    self.shutdown_timeout = 0.0
+                    self.request_stop()
+                if self.stopping_since is not None:
+                    if not self.engine.has_unfinished_requests():
+                        return 0
+                    if time.monotonic() - self.stopping_since > self.shutdown_timeout and self.owner:
+                        log.warning("grace period over: aborting %d requests", len(self.owner))
+                        self._route(self.engine.abort_requests(list(self.owner)))
+                if self.engine.has_unfinished_requests():
+                    self._route(self.engine.step_overlapped())
+                else:
+                    self.engine.executor.check_alive()
+        except WorkerError as e:
+            log.error("engine dead: %s", e)
+            self._fail_everything(str(e))
+            return 1
+        finally:
+            self.close()
+
+    def _fail_everything(self, reason: str) -> None:
+        """EngineDead to every client first (their SDKs fail all streams), then per-request errors."""
+        for identity in self.last_seen:
+            self._send(identity, EngineDead(reason))
+        self._route(
+            [EngineOutput(rid, finish_reason="error", error=f"engine dead: {reason}") for rid in self.owner]
+        )
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.curve is not None:
+            self.curve.stop()
+        self.sock.close(linger=1000)
+        self.ctx.term()
+
+
+def run_core_process(
+    config: EngineConfig,
+    listen: str,
+    runtime_dir: Path,
+    ready_endpoint: str | None = None,
+    curve_keys: Path | None = None,
+    shutdown_timeout: float = 30.0,
+    parent_pid: int | None = None,
+    client_timeout: float = 10.0,
+) -> int:
+    """Become `ember-core`: build the engine, report readiness (or the error), serve until stopped."""
+    from setproctitle import setproctitle
+
+    setproctitle("ember-core")
+    report = None
+    if ready_endpoint is not None:
+        report_ctx = zmq.Context()
+        report = report_ctx.socket(zmq.PUSH)
+        report.setsockopt(zmq.LINGER, 2000)
+        report.connect(ready_endpoint)
+    codec = Codec(())
+    try:
+        server = CoreServer(
+            config, listen, runtime_dir, curve_keys, shutdown_timeout, parent_pid, client_timeout
+        )
+    except Exception as e:
+        log.error("engine failed to start: %s", e)
+        if report is not None:
+            report.send_multipart(codec.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
+            report.close()
+        return 1
+    if report is not None:
+        report.send_multipart(codec.encode(CoreReady(address=server.address)))
+        report.close()
+    else:
+        print(f"ember core: listening on {server.address}", flush=True)
+    return server.serve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m coreproc.core_proc`: started by a launcher, config as JSON on stdin."""
+    import argparse
+    import sys
+
+    import msgspec
+
+    parser = argparse.ArgumentParser(prog="python -m coreproc.core_proc")
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--runtime-dir", required=True)
+    parser.add_argument("--ready-endpoint", default=None)
+    parser.add_argument("--curve-keys", default=None)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--parent-pid", type=int, default=None)
+    parser.add_argument("--client-timeout", type=float, default=10.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("EMBER_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
+    )
+    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    keys = Path(args.curve_keys) if args.curve_keys else None
+    return run_core_process(
+        config,
+        args.listen,
+        Path(args.runtime_dir),
+        args.ready_endpoint,
+        keys,
+        args.shutdown_timeout,
+        args.parent_pid,
+        args.client_timeout,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,289 @@
+"""The multiprocess engine: ember-core + worker processes over ZeroMQ, reached through the SDK.
+
+Real processes and sockets throughout: streaming through the SDK equals the offline `LLM`, TP=2 equals
+TP=1 on every architecture, aborts free KV blocks, and the faults (a worker or the core killed,
+SIGTERM) end in errors or clean exits, never hangs or orphans. Run: `pytest -q tests/test_multiproc.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hf_ref import PROMPT_TEXTS
+
+from coreproc import LLM, SamplingParams
+from coreproc.client import AsyncEngineClient, EngineClient, EngineDeadError, EngineRequestError
+from coreproc.config import EngineConfig
+from coreproc.launcher import CoreProcess, EngineStartError
+
+pytestmark = pytest.mark.e2e
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+LONG = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of a process, from /proc."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(Path(f"/proc/{p}").exists() and "ember" in cmdline(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def llama(make_ckpt) -> Path:
+    return make_ckpt("llama")
+
+
+@pytest.fixture(scope="module")
+def prompts(llama) -> list[list[int]]:
+    from frontend.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(llama))
+    return [tok(t).input_ids for t in PROMPT_TEXTS]
+
+
+@pytest.fixture(scope="module")
+def core(llama):
+    with CoreProcess(EngineConfig.create(str(llama), dtype="float32", max_num_batched_tokens=64)) as proc:
+        yield proc
+
+
+def test_process_names_and_info(core):
+    assert "ember-core" in cmdline(core.pid)
+    workers = children(core.pid)
+    assert any("ember-worker-0" in cmdline(p) for p in workers)
+    with EngineClient(core.address) as client:
+        info = client.info()
+        assert info.tensor_parallel_size == 1 and info.max_model_len > 0 and info.eos_token_ids
+        assert client.stats()["num_kv_blocks"] == info.num_kv_blocks
+
+
+def test_sdk_streaming_equals_offline(core, llama, prompts):
+    with LLM(str(llama), dtype="float32", show_progress=False) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def run() -> list[list[int]]:
+        client = await AsyncEngineClient.connect(core.address)
+        try:
+
+            async def one(p: list[int]) -> list[int]:
+                tokens, chunks = [], 0
+                async for out in client.generate(p, GREEDY):
+                    tokens += out.new_token_ids
+                    chunks += 1
+                assert chunks >= 2, "outputs must stream, not arrive at once"
+                assert out.finish_reason == "length"
+                return tokens
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(run()) == ref
+
+
+def test_abort_and_disconnect_free_blocks(core, prompts):
+    with EngineClient(core.address) as client:
+        stream = client.generate(prompts[2], LONG)
+        next(stream)
+        assert client.stats()["num_blocks_in_use"] > 0
+        stream.close()  # leaving the stream aborts the request
+        deadline = time.monotonic() + 5
+        while client.stats()["num_blocks_in_use"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.stats()["num_blocks_in_use"] == 0
+    # a client that disconnects without aborting: its requests are dropped when it is gone
+    with EngineClient(core.address) as client:
+        stream = client.generate(prompts[3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        next(stream)
+    with EngineClient(core.address) as client:
+        deadline = time.monotonic() + 10
+        while client.stats()["num_blocks_in_use"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.stats()["num_blocks_in_use"] == 0
+
+
+def test_crashed_client_requests_are_aborted(llama, prompts):
+    """A client killed mid-stream stops sending heartbeats; the core aborts its requests."""
+    config = EngineConfig.create(str(llama), dtype="float32")
+    with CoreProcess(config, client_timeout=1.5) as proc:
+        script = (
+            "import sys; from coreproc.client import EngineClient; from coreproc import SamplingParams\n"
+            f"c = EngineClient({proc.address!r})\n"
+            f"s = c.generate({prompts[2]!r}, SamplingParams(max_tokens=900, ignore_eos=True))\n"
+            "next(s); print('streaming', flush=True); sys.stdin.read()\n"
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert child.stdout.readline().strip() == "streaming"
+        with EngineClient(proc.address) as watcher:
+            assert watcher.stats()["num_running"] == 1
+            child.kill()
+            child.wait()
+            deadline = time.monotonic() + 15
+            while watcher.stats()["num_blocks_in_use"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stats = watcher.stats()
+            assert stats["num_blocks_in_use"] == 0 and stats["num_running"] == 0
+
+
+def test_bad_request_is_refused_with_a_reason(core):
+    with EngineClient(core.address) as client:
+        with pytest.raises(EngineRequestError, match="prompt"):
+            list(client.generate([], GREEDY))
+        with pytest.raises(EngineRequestError, match="temperature"):
+            list(client.generate([5, 6], SamplingParams(temperature=-1.0)))
+        assert client.stats()["num_running"] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_tensor_parallel_equals_single_device(make_ckpt, arch):
+    path = str(make_ckpt(arch))
+    with LLM(path, dtype="float32", show_progress=False) as one:
+        ref = [o.outputs[0].token_ids for o in one.generate(PROMPT_TEXTS, GREEDY, use_tqdm=False)]
+    with LLM(path, dtype="float32", tensor_parallel_size=2, show_progress=False) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(PROMPT_TEXTS, GREEDY, use_tqdm=False)]
+    assert got == ref
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_killed_worker_fails_requests_and_leaves_no_process(llama, prompts, tp):
+    proc = CoreProcess(EngineConfig.create(str(llama), dtype="float32", tensor_parallel_size=tp))
+    try:
+        workers = children(proc.pid)
+        assert len([w for w in workers if "ember-worker" in cmdline(w)]) == tp
+        client = EngineClient(proc.address)
+        streams = [client.generate(p, LONG) for p in prompts[:3]]
+        for s in streams:
+            next(s)
+        victim = next(w for w in workers if f"ember-worker-{tp - 1}" in cmdline(w))
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        for s in streams:
+            with pytest.raises(EngineDeadError, match="engine dead"):
+                for _ in s:
+                    pass
+        assert time.monotonic() - killed_at < 5.0
+        assert proc.proc.wait(20) == 1
+        assert gone(workers)
+        client.close()
+    finally:
+        proc.stop(grace=0)
+
+
+def test_killed_core_fails_clients_and_workers_exit(llama, prompts):
+    proc = CoreProcess(EngineConfig.create(str(llama), dtype="float32"))
+    try:
+        workers = children(proc.pid)
+        client = EngineClient(proc.address)
+        stream = client.generate(prompts[1], LONG)
+        next(stream)
+        os.kill(proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            client.stats()
+        assert gone(workers), "workers must exit when their core disappears"
+        client.close()
+    finally:
+        proc.stop(grace=0)
+
+
+def test_sigterm_finishes_in_flight_work_and_exits_clean(llama, prompts):
+    proc = CoreProcess(EngineConfig.create(str(llama), dtype="float32"), shutdown_timeout=60)
+    runtime_dir = proc.runtime_dir
+    workers = children(proc.pid)
+    client = EngineClient(proc.address)
+    stream = client.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    first = next(stream)
+    proc.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)
+    tokens = first.new_token_ids + [t for o in rest for t in o.new_token_ids]
+    assert len(tokens) == 60 and rest[-1].finish_reason == "length"
+    assert proc.proc.wait(30) == 0
+    assert gone(workers)
+    sockets = [p for p in runtime_dir.glob("*") if p.is_socket()] if runtime_dir.exists() else []
+    proc.stop()
+    assert not runtime_dir.exists()
+    assert sockets == [] or all(not p.exists() for p in sockets)
+    client.close()
+
+
+def test_sigterm_grace_period_aborts_what_is_left(llama, prompts):
+    proc = CoreProcess(EngineConfig.create(str(llama), dtype="float32"), shutdown_timeout=0.5)
+    client = EngineClient(proc.address)
+    stream = client.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True))
+    next(stream)
+    proc.proc.send_signal(signal.SIGTERM)
+    last = list(stream)[-1]
+    assert last.finish_reason == "abort"
+    assert proc.proc.wait(30) == 0
+    client.close()
+    proc.stop()
+
+
+def test_curve_keys_required_off_loopback_and_enforced(llama, prompts, tmp_path):
+    keys = tmp_path / "keys"
+    out = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "keygen", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    config = EngineConfig.create(str(llama), dtype="float32")
+    with pytest.raises(EngineStartError, match="curve-keys"):
+        CoreProcess(config, listen="tcp://0.0.0.0:0")
+    with CoreProcess(config, listen="tcp://127.0.0.1:0", curve_keys=keys) as proc:
+        assert proc.address.startswith("tcp://127.0.0.1:")
+        with pytest.raises(EngineDeadError):
+            EngineClient(proc.address, timeout=3)  # no keys: nothing gets through
+        with pytest.raises(EngineDeadError):
+            other = tmp_path / "other"
+            subprocess.run(
+                [sys.executable, "-m", "frontend.cli", "keygen", str(other)], check=True, timeout=60
+            )
+            EngineClient(
+                proc.address,
+                timeout=3,
+                server_key=keys / "server.key",
+                client_key=other / "client.key_secret",
+            )
+        with EngineClient(
+            proc.address, server_key=keys / "server.key", client_key=keys / "client.key_secret"
+        ) as ok:
+            tokens = [t for o in ok.generate(prompts[0], GREEDY) for t in o.new_token_ids]
+            assert len(tokens) == 12
+            assert ok.stats()["num_steps"] > 0
