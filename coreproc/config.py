@@ -152,6 +152,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
+    async_scheduling: bool = True  # multiprocess engines schedule step N+1 while step N runs
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -217,6 +218,7 @@ class EngineConfig:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         scheduling_policy: str = "fcfs",
+        async_scheduling: bool = True,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -248,6 +250,7 @@ class EngineConfig:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 policy=scheduling_policy,
+                async_scheduling=async_scheduling,
             ),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
             device=device_cfg,

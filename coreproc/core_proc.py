@@ -85,6 +85,8 @@ class CoreServer:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.codec = Codec(TO_CORE)
         self.engine = EngineCore(config, MultiprocExecutor(config, runtime_dir))
+        overlapped = config.scheduler.async_scheduling
+        self._step = self.engine.step_overlapped if overlapped else self.engine.step
         self.owner: dict[str, bytes] = {}  # request id -> client identity
         self.last_seen: dict[bytes, float] = {}  # client identity -> last message time
         self.client_timeout = client_timeout
@@ -221,7 +223,7 @@ class CoreServer:
                         log.warning("grace period over: aborting %d requests", len(self.owner))
                         self._route(self.engine.abort_requests(list(self.owner)))
                 if self.engine.has_unfinished_requests():
-                    self._route(self.engine.step_overlapped())
+                    self._route(self._step())
                 else:
                     self.engine.executor.check_alive()
         except WorkerError as e:

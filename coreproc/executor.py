@@ -38,6 +38,17 @@ log = logging.getLogger("ember.executor")
 POLL_MS = 100
 
 
+def worker_env() -> dict[str, str]:
+    """The environment of worker processes.
+
+    OpenMP threads that spin after each parallel region starve the core and frontend processes on
+    the same cores (a step can take 10x longer); passive waiting is the default unless set otherwise.
+    """
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 class WorkerError(RuntimeError):
     """A worker died or failed; the engine cannot continue."""
 
@@ -107,7 +118,7 @@ class MultiprocExecutor:
                     endpoint,
                 ]
                 cmd += ["--runtime-dir", str(runtime_dir), "--parent-pid", str(os.getpid())]
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=worker_env())
                 proc.stdin.write(config_json)
                 proc.stdin.close()
                 self.procs.append(proc)

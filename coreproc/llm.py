@@ -28,8 +28,16 @@ PromptInput = str | list[int] | dict
 class LLM:
     """An engine in this process. Keyword arguments mirror vLLM's engine arguments."""
 
-    def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args: Any) -> None:
-        self.config = EngineConfig.create(model, **engine_args)
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        show_progress: bool = True,
+        **engine_args: Any,
+    ) -> None:
+        """Build from vLLM-style engine arguments, or from a ready `EngineConfig` (`config=`)."""
+        self.config = config if config is not None else EngineConfig.create(model, **engine_args)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.eos_token_ids = eos_token_ids(self.config.model.model, self.tokenizer)
         self.engine = EngineCore(self.config, show_progress=show_progress)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -29,6 +30,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-fraction", type=float, default=None)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="schedule the next step while workers run the current one (multiprocess engine)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--device", default="auto")
@@ -49,6 +56,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        async_scheduling=args.async_scheduling,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
@@ -137,6 +145,13 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from coreproc.config import EngineConfig
+    from tools import bench_throughput
+
+    return bench_throughput.run(args, EngineConfig.create(**engine_kwargs(args)))
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from coreproc import batch
 
@@ -180,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(bt)
     bt.set_defaults(func=cmd_batch)
 
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    tput = bench.add_parser("throughput", help="offline throughput, in-process vs multiprocess engine")
+    from tools import bench_throughput
+
+    bench_throughput.add_arguments(tput)
+    add_engine_args(tput)
+    tput.set_defaults(func=cmd_bench_throughput)
+
     mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
     from tools import make_model
 
@@ -192,6 +215,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, R
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before torch loads OpenMP: spinning threads starve this machine's other engine processes
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,133 @@
+"""`ember bench throughput`: offline throughput through the real engine, in-process vs multiprocess.
+
+Runs the same token-id prompts (random ids, fixed seed, greedy, ignore_eos) through the in-process
+engine (`LLM`) and through `ember-core` + worker processes reached with the ZMQ SDK, and prints one
+summary line plus a table: output and total tokens/s, engine steps, time per step, and the per-step
+cost of the process boundary (multiprocess minus in-process time, divided by the steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from coreproc.config import EngineConfig
+from coreproc.protocol import SamplingParams
+
+
+@dataclass
+class Result:
+    mode: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    seconds: float
+    steps: int
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.seconds
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1000 * self.seconds / max(1, self.steps)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=["inproc", "multiproc", "both"], default="both")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--result-json", default=None, help="also write the figures to this file")
+
+
+def make_prompts(vocab_size: int, special: set[int], n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    ids = [i for i in range(vocab_size) if i not in special]
+    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
+
+
+def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> Result:
+    from coreproc.llm import LLM
+
+    with LLM(config=config, show_progress=False) as llm:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+        steps0 = llm.stats()["num_steps"]
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        steps = llm.stats()["num_steps"] - steps0
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    return Result("inproc", len(prompts), sum(map(len, prompts)), produced, seconds, steps)
+
+
+def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> Result:
+    from coreproc.client import AsyncEngineClient
+    from coreproc.launcher import CoreProcess
+
+    async def drive(address: str) -> tuple[int, float, int]:
+        client = await AsyncEngineClient.connect(address)
+        try:
+
+            async def one(p: list[int], sp: SamplingParams) -> int:
+                return sum([len(o.new_token_ids) async for o in client.generate(p, sp)])
+
+            await asyncio.gather(*(one(p, SamplingParams(max_tokens=4)) for p in prompts[:2]))  # warm-up
+            steps0 = (await client.stats())["num_steps"]
+            start = time.perf_counter()
+            produced = await asyncio.gather(*(one(p, params) for p in prompts))
+            seconds = time.perf_counter() - start
+            return sum(produced), seconds, (await client.stats())["num_steps"] - steps0
+        finally:
+            await client.aclose()
+
+    with CoreProcess(config) as core:
+        produced, seconds, steps = asyncio.run(drive(core.address))
+    mode = "multiproc" if config.scheduler.async_scheduling else "multiproc-sync"
+    return Result(mode, len(prompts), sum(map(len, prompts)), produced, seconds, steps)
+
+
+def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    from frontend.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(config.model.tokenizer)
+    prompts = make_prompts(
+        config.model.vocab_size, set(tok.all_special_ids), args.num_prompts, args.input_len, args.bench_seed
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    results = []
+    if args.mode in ("inproc", "both"):
+        results.append(run_inproc(config, prompts, params))
+    if args.mode in ("multiproc", "both"):
+        results.append(run_multiproc(config, prompts, params))
+    print(
+        f"model {config.model.model} ({config.model.dtype}), {args.num_prompts} prompts x "
+        f"{args.input_len} in / {args.output_len} out, max_num_seqs {config.scheduler.max_num_seqs}"
+    )
+    print(f"{'mode':<15}{'out tok/s':>11}{'total tok/s':>13}{'seconds':>9}{'steps':>7}{'ms/step':>9}")
+    for r in results:
+        print(
+            f"{r.mode:<15}{r.output_tps:>11.1f}{r.total_tps:>13.1f}{r.seconds:>9.2f}{r.steps:>7}{r.ms_per_step:>9.2f}"
+        )
+    if len(results) == 2:
+        a, b = results
+        loss = 100.0 * (1 - b.output_tps / a.output_tps)
+        overhead = (b.seconds - a.seconds) * 1000 / max(1, b.steps)
+        print(f"summary: {b.mode} loses {loss:.1f}% output throughput vs inproc; {overhead:+.2f} ms per step")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(
+                [asdict(r) | {"output_tps": r.output_tps, "ms_per_step": r.ms_per_step} for r in results], f
+            )
+    sys.stdout.flush()
+    return 0
