@@ -181,4 +181,4 @@ def test_default_model() -> None:
     snippet = tokenizer("import os\nimport sys\n\n\ndef main(argv):\n    return 0\n", return_tensors="pt")
     with torch.no_grad():
         loss = model(**snippet, labels=snippet.input_ids).loss
-    assert torch.isfinite(loss) and loss.item() < 5.0
+    assert torch.isfinite(loss) and loss.item() < 6.0
