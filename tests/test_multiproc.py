@@ -287,3 +287,36 @@ def test_curve_keys_required_off_loopback_and_enforced(llama, prompts, tmp_path)
             tokens = [t for o in ok.generate(prompts[0], GREEDY) for t in o.new_token_ids]
             assert len(tokens) == 12
             assert ok.stats()["num_steps"] > 0
+
+
+def test_ember_core_cli_serves_and_stops_on_sigterm(llama, prompts):
+    """`ember core MODEL --listen tcp://127.0.0.1:0` prints its address, serves, exits 0 on SIGTERM."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "frontend.cli",
+            "core",
+            str(llama),
+            "--dtype",
+            "float32",
+            "--listen",
+            "tcp://127.0.0.1:0",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("ember core: listening on tcp://127.0.0.1:"), line
+        address = line.rsplit(" ", 1)[1]
+        with EngineClient(address) as client:
+            tokens = [t for o in client.generate(prompts[4], GREEDY) for t in o.new_token_ids]
+            assert len(tokens) == 12
+        workers = children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert gone(workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
