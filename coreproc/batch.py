@@ -23,7 +23,6 @@ from typing import IO, Any
 import msgspec
 
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import EngineRequest
 from frontend import openai_protocol as oai
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
@@ -258,29 +257,24 @@ class BatchRunner:
         except ValueError as e:  # RequestError, InvalidParam, tokenizer errors
             return self._reject(item, e)
         job = Job(item, req, [], int(time.time()))
-        engine_ids: list[str] = []
         try:
             for (text, ids), sp in zip(prompts, params):
                 rid = f"b{self._next}"
                 self._next += 1
+                self.processor.submit(
+                    self.engine,
+                    rid,
+                    text,
+                    ids,
+                    sp,
+                    eos_token_ids=self.eos_ids,
+                    priority=req.priority,
+                    cache_salt=req.cache_salt,
+                )
                 job.rids.append(rid)
-                for eid, sub in self.processor.add_request(rid, text, ids, sp):
-                    engine_ids.append(eid)
-                    self.engine.add_request(
-                        EngineRequest(
-                            request_id=eid,
-                            prompt_token_ids=ids,
-                            sampling_params=sub,
-                            eos_token_ids=self.eos_ids,
-                            arrival_time=time.time(),
-                            priority=req.priority,
-                            cache_salt=req.cache_salt,
-                        )
-                    )
         except ValueError as e:  # InvalidParam from the scheduler
-            self.engine.abort_requests(engine_ids)
             for rid in job.rids:
-                self.processor.discard(rid)
+                self.processor.withdraw(self.engine, rid)
             return self._reject(item, e)
         for rid in job.rids:
             self.jobs[rid] = job

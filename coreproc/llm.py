@@ -9,7 +9,6 @@ model bundled with Ember.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,7 +17,7 @@ from tqdm import tqdm
 from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import EngineRequest, InvalidParam, SamplingParams
+from coreproc.protocol import InvalidParam, SamplingParams
 from frontend.output_processor import OutputProcessor, SequenceDelta
 from frontend.tokenizer import eos_token_ids, load_tokenizer
 
@@ -100,27 +99,22 @@ class LLM:
         for params in params_list:
             params.validate()
         submitted: list[str] = []
-        engine_ids: list[str] = []
         try:
             for i, ((text, ids), params) in enumerate(zip(items, params_list)):
                 rid = str(next(self._ids))
+                self.processor.submit(
+                    self.engine,
+                    rid,
+                    text,
+                    ids,
+                    params,
+                    eos_token_ids=self.eos_token_ids,
+                    priority=priority[i] if priority else 0,
+                )
                 submitted.append(rid)
-                for eid, sub in self.processor.add_request(rid, text, ids, params):
-                    self.engine.add_request(
-                        EngineRequest(
-                            request_id=eid,
-                            prompt_token_ids=ids,
-                            sampling_params=sub,
-                            eos_token_ids=self.eos_token_ids,
-                            arrival_time=time.time(),
-                            priority=priority[i] if priority else 0,
-                        )
-                    )
-                    engine_ids.append(eid)
         except Exception:
-            self.engine.abort_requests(engine_ids)
             for rid in submitted:
-                self.processor.discard(rid)
+                self.processor.withdraw(self.engine, rid)
             raise
         return submitted
 
@@ -167,4 +161,4 @@ class LLM:
                 finished = self.processor.pop_finished(rid) is not None
         finally:
             if not finished:
-                self.engine.abort_requests(self.processor.discard(rid))
+                self.processor.withdraw(self.engine, rid)

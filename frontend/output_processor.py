@@ -9,13 +9,14 @@ streaming) and keeps the running totals for `RequestOutput`s.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from coreproc.protocol import EngineOutput, SamplingParams, TokenLogprobs
+from coreproc.protocol import EngineOutput, EngineRequest, SamplingParams, TokenLogprobs
 from frontend.detokenizer import IncrementalDetokenizer
 
 
@@ -113,6 +114,44 @@ class OutputProcessor:
             self.sequences[engine_id] = seq
             engine_reqs.append((engine_id, sub))
         return engine_reqs
+
+    def submit(
+        self,
+        engine: Any,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: list[int],
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Register a request and add each of its sequences to `engine` (an `EngineCore`).
+
+        If the engine refuses one (e.g. `InvalidParam`), the sequences already added are aborted,
+        the request is forgotten, and the error propagates.
+        """
+        try:
+            for eid, sub in self.add_request(request_id, prompt, prompt_ids, params):
+                engine.add_request(
+                    EngineRequest(
+                        request_id=eid,
+                        prompt_token_ids=prompt_ids,
+                        sampling_params=sub,
+                        eos_token_ids=eos_token_ids,
+                        arrival_time=time.time(),
+                        priority=priority,
+                        cache_salt=cache_salt,
+                    )
+                )
+        except Exception:
+            self.withdraw(engine, request_id)
+            raise
+
+    def withdraw(self, engine: Any, request_id: str) -> None:
+        """Abort whatever of a request still runs in `engine` and forget it."""
+        engine.abort_requests(self.discard(request_id))
 
     def _convert(self, entries: list[TokenLogprobs | None]) -> list[PositionLogprobs | None]:
         out: list[PositionLogprobs | None] = []
