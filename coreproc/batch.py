@@ -24,6 +24,7 @@ import msgspec
 
 from coreproc.outputs import RequestOutput
 from frontend import openai_protocol as oai
+from frontend import openai_responses as oresp
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
@@ -326,15 +327,17 @@ class BatchRunner:
         req, head = job.request, (self.model_name, job.created)
         if isinstance(req, ChatCompletionRequest):
             top = (req.top_logprobs or 0) if req.logprobs else None
-            choices = [oai.chat_choice(o, top) for o in results[0].outputs]
-            body = oai.chat_completion_response(f"chatcmpl-{hexid}", *head, choices, oai.usage_of(results))
+            choices = [oresp.chat_choice(o, top) for o in results[0].outputs]
+            body = oresp.chat_completion_response(
+                f"chatcmpl-{hexid}", *head, choices, oresp.usage_of(results)
+            )
         else:
             choices = []
             for k, r in enumerate(results):
-                choices += oai.completion_choices(
+                choices += oresp.completion_choices(
                     r, echo=req.echo, logprobs=req.logprobs, first_index=k * req.n, decode=self._decode
                 )
-            body = oai.completion_response(f"cmpl-{hexid}", *head, choices, oai.usage_of(results))
+            body = oresp.completion_response(f"cmpl-{hexid}", *head, choices, oresp.usage_of(results))
         self._respond(job.item.custom_id, hexid, 200, body)
 
     def _decode(self, token_id: int) -> str:

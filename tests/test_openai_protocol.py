@@ -15,6 +15,12 @@ from frontend.chat import TEXT_ONLY, render_chat
 from frontend.openai_protocol import (
     ChatCompletionRequest,
     RequestError,
+    parse_chat_request,
+    parse_completion_request,
+    prompt_inputs,
+    to_sampling_params,
+)
+from frontend.openai_responses import (
     chat_choice,
     chat_chunk,
     chat_completion_response,
@@ -22,10 +28,6 @@ from frontend.openai_protocol import (
     completion_choices,
     completion_chunk,
     completion_response,
-    parse_chat_request,
-    parse_completion_request,
-    prompt_inputs,
-    to_sampling_params,
     usage_of,
 )
 
