@@ -24,8 +24,8 @@ import msgspec
 
 from coreproc.outputs import RequestOutput
 from frontend import openai_protocol as oai
-from frontend import openai_responses as oresp
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from frontend.render import Prompt, render_prompts, response_body
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many times --max-num-seqs
@@ -232,23 +232,12 @@ class BatchRunner:
                 n += str(err) not in self.done.line_errors
         return n
 
-    def _prompts(self, item: BatchItem) -> tuple[Any, list[tuple[str | None, list[int]]]]:
+    def _prompts(self, item: BatchItem) -> tuple[Any, list[Prompt]]:
         if item.kind == "chat":
-            from frontend.chat import render_chat
-
             req = oai.parse_chat_request(item.body)
-            ids = render_chat(self.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt)
-            return req, [(None, ids)]
-        req = oai.parse_completion_request(item.body)
-        out = []
-        for p in oai.prompt_inputs(req):
-            if isinstance(p, str):
-                out.append((p, self.tokenizer(p).input_ids))
-                continue
-            if any(t < 0 or t >= self.vocab_size for t in p):
-                raise RequestError(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-            out.append((self.tokenizer.decode(p) if req.echo else None, p))
-        return req, out
+        else:
+            req = oai.parse_completion_request(item.body)
+        return req, render_prompts(req, self.tokenizer, self.vocab_size)
 
     def submit(self, item: BatchItem) -> None:
         """Queue one request, or write its 400 record at once if it is invalid."""
@@ -324,20 +313,7 @@ class BatchRunner:
         if any(o.finish_reason == "error" for r in results for o in r.outputs):
             err = RequestError("the engine failed this request", status=500, err_type="internal_error")
             return self._respond(job.item.custom_id, hexid, 500, err.error_body())
-        req, head = job.request, (self.model_name, job.created)
-        if isinstance(req, ChatCompletionRequest):
-            top = (req.top_logprobs or 0) if req.logprobs else None
-            choices = [oresp.chat_choice(o, top) for o in results[0].outputs]
-            body = oresp.chat_completion_response(
-                f"chatcmpl-{hexid}", *head, choices, oresp.usage_of(results)
-            )
-        else:
-            choices = []
-            for k, r in enumerate(results):
-                choices += oresp.completion_choices(
-                    r, echo=req.echo, logprobs=req.logprobs, first_index=k * req.n, decode=self._decode
-                )
-            body = oresp.completion_response(f"cmpl-{hexid}", *head, choices, oresp.usage_of(results))
+        body = response_body(job.request, results, self.model_name, job.created, hexid, self._decode)
         self._respond(job.item.custom_id, hexid, 200, body)
 
     def _decode(self, token_id: int) -> str:

@@ -105,6 +105,23 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     add_generation_prompt: bool = True
 
 
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /tokenize`: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /detokenize`: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 _MISSING = re.compile(r"missing required field `([^`]+)`")
 _AT = re.compile(r" - at `\$\.?([^`]*)`$")
 
@@ -119,7 +136,8 @@ def _param_of(message: str) -> str | None:
     return path or None
 
 
-def _parse(body: bytes | str | dict, typ: type) -> Any:
+def parse_body(body: bytes | str | dict, typ: type) -> Any:
+    """Decode and validate a JSON body into `typ`; RequestError names the first bad field."""
     try:
         if isinstance(body, (bytes, bytearray, memoryview, str)):
             return msgspec.json.decode(body, type=typ)
@@ -134,14 +152,14 @@ def _parse(body: bytes | str | dict, typ: type) -> Any:
 
 def parse_completion_request(body: bytes | str | dict) -> CompletionRequest:
     """Validate a `/v1/completions` body; RequestError names the first bad field."""
-    req = _parse(body, CompletionRequest)
+    req = parse_body(body, CompletionRequest)
     prompt_inputs(req)  # shape check
     return req
 
 
 def parse_chat_request(body: bytes | str | dict) -> ChatCompletionRequest:
     """Validate a `/v1/chat/completions` body; RequestError names the first bad field."""
-    req = _parse(body, ChatCompletionRequest)
+    req = parse_body(body, ChatCompletionRequest)
     if not req.messages:
         raise RequestError("messages must not be empty", "messages")
     return req

@@ -1,0 +1,195 @@
+"""Prometheus metrics of the HTTP server, rendered at `GET /metrics`.
+
+Runs in the frontend process. Request handlers report each request's life through a `RequestTimer`
+(admitted -> tokens arrive -> finished) and refusals through `request_rejected`; a periodic poll of
+the core's "stats" utility feeds `update_engine`. Nothing is sent anywhere: Prometheus scrapes
+`render()`. Every `EngineMetrics` owns its `CollectorRegistry` (never the library's global one) and
+labels every series with `model_name`. Latencies use `time.monotonic` unless a clock is injected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+Clock = Callable[[], float]
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# Seconds. Wide enough for a GPU (sub-millisecond decode steps) and for the Triton interpreter on a
+# CPU (seconds per step, minutes per request).
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0,
+)  # fmt: skip
+
+# Engine stats keys mirrored as counters: stats key -> metric name (prometheus_client adds `_total`).
+_CUMULATIVE = {
+    "num_preemptions": "ember_num_preemptions",
+    "prefix_cache_queries": "ember_prefix_cache_queries",
+    "prefix_cache_hits": "ember_prefix_cache_hits",
+}
+# Engine stats keys shown as gauges: stats key -> metric name.
+_GAUGES = {
+    "num_running": "ember_num_requests_running",
+    "num_waiting": "ember_num_requests_waiting",
+    "kv_usage": "ember_kv_cache_usage_ratio",
+}
+_GAUGE_HELP = {
+    "num_running": "Requests the engine is running (in the current batch).",
+    "num_waiting": "Requests queued in the engine, waiting to be scheduled.",
+    "kv_usage": "Fraction of KV-cache blocks in use, 0 to 1.",
+}
+
+
+class EngineMetrics:
+    """All of the server's metrics for one served model, in a registry of their own.
+
+    Finished requests count in `ember_requests_total{finished_reason}` (stop, length, abort, error);
+    requests refused before reaching the engine count separately in
+    `ember_requests_rejected_total{status_code}`, so the first counter is always the engine's view.
+    """
+
+    def __init__(self, model_name: str, *, clock: Clock = time.monotonic) -> None:
+        self.model_name = model_name
+        self.clock = clock
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
+
+        self._requests = Counter(
+            "ember_requests",
+            "Finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        for reason in FINISH_REASONS:  # export zeros so rates work before the first request
+            self._requests.labels(model_name, reason)
+        self._rejected = Counter(
+            "ember_requests_rejected",
+            "Requests refused before reaching the engine, by HTTP status code.",
+            [*labels, "status_code"],
+            registry=reg,
+        )
+        self.prompt_tokens = counter("ember_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("ember_generation_tokens", "Generated tokens of finished requests.")
+        self.ttft = histogram(
+            "ember_time_to_first_token_seconds", "Seconds from admission to the first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "ember_inter_token_latency_seconds",
+            "Seconds between generated tokens (a burst of n tokens counts n samples of gap / n).",
+            ITL_BUCKETS,
+        )
+        self.e2e = histogram(
+            "ember_e2e_request_latency_seconds",
+            "Seconds from admission to the end of a request.",
+            E2E_BUCKETS,
+        )
+        self._gauges = {
+            key: Gauge(name, _GAUGE_HELP[key], labels, registry=reg).labels(model_name)
+            for key, name in _GAUGES.items()
+        }
+        self._mirrored = {
+            key: counter(name, f"Cumulative {key.replace('_', ' ')} reported by the engine.")
+            for key, name in _CUMULATIVE.items()
+        }
+        self._last_cumulative = dict.fromkeys(_CUMULATIVE, 0.0)
+
+    def request_started(self) -> RequestTimer:
+        """Call when a request is admitted; the timer starts now."""
+        return RequestTimer(self)
+
+    def request_rejected(self, status_code: int) -> None:
+        """A request refused (4xx/5xx) before it reached the engine."""
+        self._rejected.labels(self.model_name, str(status_code)).inc()
+
+    def _record_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        self._requests.labels(self.model_name, finish_reason).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+
+    def update_engine(self, stats: dict) -> None:
+        """Mirror the core's "stats" utility result; missing keys leave their metric unchanged.
+
+        Cumulative engine counters are added by their increase since the last update. A value lower
+        than the last one means the engine restarted from zero, so all of it is new.
+        """
+        for key, gauge in self._gauges.items():
+            if key in stats:
+                gauge.set(stats[key])
+        for key, counter in self._mirrored.items():
+            if key not in stats:
+                continue
+            value, last = float(stats[key]), self._last_cumulative[key]
+            delta = value - last if value >= last else value
+            if delta > 0:
+                counter.inc(delta)
+            self._last_cumulative[key] = value
+
+    def render(self) -> tuple[bytes, str]:
+        """The body and content type of a `GET /metrics` response (Prometheus text format)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """The timeline of one admitted request: first token, later tokens, end."""
+
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self._metrics = metrics
+        self._clock = metrics.clock
+        self.start = self._clock()
+        self._last_token: float | None = None
+        self.finished = False
+
+    def tokens(self, n: int) -> None:
+        """`n` new tokens arrived now: the first call records TTFT, later ones inter-token latency.
+
+        A later call observes `gap / n` for each of the n tokens (a burst from a multi-token step,
+        or several sequences of an n > 1 request, spreads the gap evenly). n <= 0 is ignored.
+        """
+        if n <= 0 or self.finished:
+            return
+        now = self._clock()
+        if self._last_token is None:
+            self._metrics.ttft.observe(now - self.start)
+        else:
+            per_token = (now - self._last_token) / n
+            for _ in range(n):
+                self._metrics.itl.observe(per_token)
+        self._last_token = now
+
+    def finish(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """Record end-to-end latency and the counters; later calls are ignored (safe in `finally`).
+
+        `finish_reason` is one of stop, length, abort, error.
+        """
+        assert finish_reason in FINISH_REASONS, f"unknown finish reason {finish_reason!r}"
+        if self.finished:
+            return
+        self.finished = True
+        self._metrics.e2e.observe(self._clock() - self.start)
+        self._metrics._record_finished(finish_reason, prompt_tokens, generation_tokens)

@@ -1,0 +1,64 @@
+"""Turns an OpenAI request into engine prompts, and finished results into an OpenAI response body.
+
+Runs in the frontend (the HTTP server and batch mode share it). `render_prompts` tokenizes completion
+prompts (strings or token ids, checked against the vocabulary) or renders chat messages with the chat
+template; `response_body` builds the `text_completion` / `chat.completion` object, usage included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from coreproc.outputs import RequestOutput
+from frontend import openai_protocol as oai
+from frontend import openai_responses as oresp
+from frontend.chat import render_chat
+from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+
+Prompt = tuple[str | None, list[int]]  # (text, token ids); text is None for token-id prompts
+
+
+def render_prompts(
+    req: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Any,
+    vocab_size: int,
+    chat_template: str | None = None,
+) -> list[Prompt]:
+    """One prompt per chat request; one per entry of a completion request's `prompt`."""
+    if isinstance(req, ChatCompletionRequest):
+        ids = render_chat(
+            tokenizer, req.messages, chat_template, add_generation_prompt=req.add_generation_prompt
+        )
+        return [(None, ids)]
+    out: list[Prompt] = []
+    for p in oai.prompt_inputs(req):
+        if isinstance(p, str):
+            out.append((p, tokenizer(p).input_ids))
+            continue
+        if any(t < 0 or t >= vocab_size for t in p):
+            raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+        out.append((tokenizer.decode(p) if req.echo else None, p))
+    return out
+
+
+def response_body(
+    req: CompletionRequest | ChatCompletionRequest,
+    results: list[RequestOutput],
+    model: str,
+    created: int,
+    hexid: str,
+    decode: Callable[[int], str],
+) -> dict[str, Any]:
+    """The non-streaming response of one request, from its finished results (one per prompt)."""
+    usage = oresp.usage_of(results)
+    if isinstance(req, ChatCompletionRequest):
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [oresp.chat_choice(o, top) for o in results[0].outputs]
+        return oresp.chat_completion_response(f"chatcmpl-{hexid}", model, created, choices, usage)
+    choices = []
+    for k, r in enumerate(results):
+        choices += oresp.completion_choices(
+            r, echo=req.echo, logprobs=req.logprobs, first_index=k * req.n, decode=decode
+        )
+    return oresp.completion_response(f"cmpl-{hexid}", model, created, choices, usage)
