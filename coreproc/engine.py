@@ -10,6 +10,7 @@ The KV block count comes from the workers' `WorkerReady` messages, never from th
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from coreproc.config import EngineConfig
@@ -45,6 +46,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks)
         self._idle_steps = 0
         self._in_flight: SchedulerOutput | None = None
+        self.last_step_end = time.monotonic()
 
     def add_request(self, request: EngineRequest) -> None:
         self.scheduler.add_request(request)
@@ -82,6 +84,7 @@ class EngineCore:
 
     def _finish(self, scheduler_output: SchedulerOutput) -> list[EngineOutput]:
         runner_output = self.executor.wait()
+        self.last_step_end = time.monotonic()
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._idle_steps = 0 if scheduler_output.total_num_scheduled_tokens else self._idle_steps + 1
         if self._idle_steps > MAX_IDLE_STEPS and self.scheduler.has_unfinished_requests():
@@ -92,7 +95,11 @@ class EngineCore:
         return outputs
 
     def stats(self) -> dict:
-        return self.scheduler.stats()
+        """Scheduler counters plus progress: how long since a step finished, and whether work waits."""
+        stats = self.scheduler.stats()
+        stats["has_work"] = self.has_unfinished_requests()
+        stats["seconds_since_step"] = time.monotonic() - self.last_step_end
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv.reset_prefix_cache()

@@ -145,6 +145,13 @@ def cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from coreproc.config import EngineConfig
+    from frontend import serve
+
+    return serve.run(args, EngineConfig.create(**engine_kwargs(args)))
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from coreproc.config import EngineConfig
     from tools import bench_throughput
@@ -168,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    from frontend import serve
+
+    serve.add_arguments(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
 
     core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
     core.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")

@@ -40,22 +40,17 @@ E2E_BUCKETS = (
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0,
 )  # fmt: skip
 
-# Engine stats keys mirrored as counters: stats key -> metric name (prometheus_client adds `_total`).
-_CUMULATIVE = {
-    "num_preemptions": "ember_num_preemptions",
-    "prefix_cache_queries": "ember_prefix_cache_queries",
-    "prefix_cache_hits": "ember_prefix_cache_hits",
+# The core's "stats" keys shown as gauges: key -> (metric name, help).
+_ENGINE_GAUGES = {
+    "num_running": ("ember_num_requests_running", "Requests the engine is running (in the current batch)."),
+    "num_waiting": ("ember_num_requests_waiting", "Requests queued in the engine, waiting to be scheduled."),
+    "kv_usage": ("ember_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use, 0 to 1."),
 }
-# Engine stats keys shown as gauges: stats key -> metric name.
-_GAUGES = {
-    "num_running": "ember_num_requests_running",
-    "num_waiting": "ember_num_requests_waiting",
-    "kv_usage": "ember_kv_cache_usage_ratio",
-}
-_GAUGE_HELP = {
-    "num_running": "Requests the engine is running (in the current batch).",
-    "num_waiting": "Requests queued in the engine, waiting to be scheduled.",
-    "kv_usage": "Fraction of KV-cache blocks in use, 0 to 1.",
+# Cumulative "stats" keys mirrored as counters (prometheus_client appends `_total` to the name).
+_ENGINE_COUNTERS = {
+    "num_preemptions": ("ember_num_preemptions", "Requests preempted by the engine (KV cache full)."),
+    "prefix_cache_queries": ("ember_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("ember_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
 }
 
 
@@ -110,14 +105,11 @@ class EngineMetrics:
             E2E_BUCKETS,
         )
         self._gauges = {
-            key: Gauge(name, _GAUGE_HELP[key], labels, registry=reg).labels(model_name)
-            for key, name in _GAUGES.items()
+            key: Gauge(name, doc, labels, registry=reg).labels(model_name)
+            for key, (name, doc) in _ENGINE_GAUGES.items()
         }
-        self._mirrored = {
-            key: counter(name, f"Cumulative {key.replace('_', ' ')} reported by the engine.")
-            for key, name in _CUMULATIVE.items()
-        }
-        self._last_cumulative = dict.fromkeys(_CUMULATIVE, 0.0)
+        self._mirrored = {key: counter(name, doc) for key, (name, doc) in _ENGINE_COUNTERS.items()}
+        self._last_cumulative = dict.fromkeys(_ENGINE_COUNTERS, 0.0)
 
     def request_started(self) -> RequestTimer:
         """Call when a request is admitted; the timer starts now."""

@@ -40,17 +40,21 @@ def _by_rank(pos: PositionLogprobs) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(
-    token_ids: list[int], positions: list[PositionLogprobs | None], decode: Callable[[int], str] | None = None
+    token_ids: list[int],
+    positions: list[PositionLogprobs | None],
+    decode: Callable[[int], str] | None = None,
+    start_offset: int = 0,
 ) -> dict[str, list]:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs (top-N plus chosen), text_offset.
 
     A position without logprobs (the first prompt token under echo) gets None and `decode(token_id)`.
+    `start_offset` is the text length already sent (streaming chunks continue the offsets).
     """
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    offset = 0
+    offset = start_offset
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid) if pos else None
         if chosen is None:

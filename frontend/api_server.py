@@ -1,0 +1,319 @@
+"""The OpenAI-compatible HTTP server: a Starlette app under uvicorn + uvloop (`ember serve`).
+
+Runs in the frontend process; the engine runs in an `ember-core` child (and its workers), reached
+through the same `AsyncEngineClient` as the SDK. Routes: /v1/completions, /v1/chat/completions,
+/v1/models, /tokenize, /detokenize, /version, /health (alive *and* making progress), /ready,
+/metrics (Prometheus) and /openapi.json. Middleware: body size limit (413), API key on /v1 (401),
+CORS. Every error body is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from coreproc.client import AsyncEngineClient, EngineDeadError
+from coreproc.core_proc import engine_version
+from frontend.metrics import EngineMetrics
+from frontend.openai_protocol import (
+    ChatCompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+    parse_body,
+    parse_chat_request,
+    parse_completion_request,
+)
+from frontend.render import render_prompts
+from frontend.serving import ServingContext, engine_dead_error, error_response, serve_generation
+
+log = logging.getLogger("ember.server")
+
+STATS_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-side settings of `ember serve`."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: int = 16 * 2**20
+    max_num_queued_requests: int | None = None
+    chat_template: str | None = None  # a file path or the template itself
+    health_stall_timeout: float = 60.0  # work queued but no step for this long: unhealthy
+
+
+class BodyLimit:
+    """413 for bodies over the limit, whether announced by Content-Length or streamed in chunks."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._reject(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = RequestError(f"request body exceeds {self.limit} bytes", status=413, code="request_too_large")
+        await error_response(err)(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class ApiKey:
+    """Requires `Authorization: Bearer <key>` on /v1 routes."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = RequestError("invalid or missing API key", status=401, err_type="authentication_error")
+                return await error_response(err)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Api:
+    """Route handlers over one `ServingContext` (created when the app starts)."""
+
+    def __init__(self, address: str, model_dir: str, cfg: ServerConfig) -> None:
+        self.address, self.model_dir, self.cfg = address, model_dir, cfg
+        self.model_name = cfg.served_model_name or Path(model_dir).name
+        self.accepted = {self.model_name, model_dir, str(Path(model_dir).resolve())}
+        self.ctx: ServingContext | None = None
+        self.stats: dict[str, Any] = {}
+        self.stats_at = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette):
+        from frontend.tokenizer import load_tokenizer
+
+        client = await AsyncEngineClient.connect(self.address)
+        template = self.cfg.chat_template
+        if template is not None and Path(template).is_file():
+            template = Path(template).read_text()
+        self.ctx = ServingContext(
+            client=client,
+            tokenizer=load_tokenizer(client.info_cache.model),
+            info=client.info_cache,
+            model_name=self.model_name,
+            metrics=EngineMetrics(self.model_name),
+            chat_template=template,
+            max_num_queued=self.cfg.max_num_queued_requests,
+        )
+        poller = asyncio.create_task(self._poll_engine())
+        try:
+            yield
+        finally:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
+            await client.aclose()
+
+    async def _poll_engine(self) -> None:
+        """Refresh engine stats (health, gauges) every second; notice a dead engine."""
+        ctx = self.ctx
+        while ctx.dead is None:
+            try:
+                self.stats = await ctx.client.call("stats", timeout=5.0)
+                self.stats_at = time.monotonic()
+                ctx.metrics.update_engine(self.stats)
+            except EngineDeadError:
+                ctx.dead = ctx.client.dead  # None if it was only slow to answer: keep watching
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.accepted:
+            raise RequestError(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+                status=404,
+                err_type="NotFoundError",
+            )
+
+    def _available(self) -> None:
+        if self.ctx is None or self.ctx.dead is not None or self.ctx.client.dead is not None:
+            reason = (self.ctx and (self.ctx.dead or self.ctx.client.dead)) or "starting"
+            raise engine_dead_error(reason)
+
+    # ------------------------------------------------------------------ routes
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await request.body()
+            req = parse_chat_request(body) if chat else parse_completion_request(body)
+            self._check_model(req.model)
+            self._available()
+            ctx = self.ctx
+            prompts = render_prompts(req, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template)
+            return await serve_generation(ctx, request, req, prompts)
+        except RequestError as e:
+            if self.ctx is not None:
+                self.ctx.metrics.request_rejected(e.status)
+            return error_response(e)
+
+    async def models(self, request: Request) -> Response:
+        info = self.ctx.info if self.ctx else None
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "ember",
+            "root": self.model_dir,
+        }
+        if info is not None:
+            card["max_model_len"] = info.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = parse_body(await request.body(), TokenizeRequest)
+            self._check_model(req.model)
+            self._available()
+            ctx = self.ctx
+            if req.messages is not None:
+                chat = ChatCompletionRequest(
+                    messages=req.messages, add_generation_prompt=req.add_generation_prompt
+                )
+                ids = render_prompts(chat, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template)[0][1]
+            elif req.prompt is not None:
+                ids = ctx.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+            else:
+                raise RequestError("give either prompt or messages", param="prompt")
+            return JSONResponse({"count": len(ids), "max_model_len": ctx.info.max_model_len, "tokens": ids})
+        except RequestError as e:
+            return error_response(e)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            req = parse_body(await request.body(), DetokenizeRequest)
+            self._check_model(req.model)
+            self._available()
+            vocab = self.ctx.info.vocab_size
+            if any(t < 0 or t >= vocab for t in req.tokens):
+                raise RequestError(f"token ids must be in [0, {vocab})", param="tokens")
+            return JSONResponse({"prompt": self.ctx.tokenizer.decode(req.tokens)})
+        except RequestError as e:
+            return error_response(e)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": engine_version()})
+
+    async def health(self, request: Request) -> Response:
+        problem = self._health_problem()
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    def _health_problem(self) -> str | None:
+        ctx = self.ctx
+        if ctx is None:
+            return "starting"
+        if ctx.dead is not None or ctx.client.dead is not None:
+            return f"engine dead: {ctx.dead or ctx.client.dead}"
+        age = time.monotonic() - self.stats_at
+        if age > 5 * STATS_INTERVAL_S + 5.0:
+            return f"engine has not answered for {age:.0f}s"
+        stalled = self.stats.get("seconds_since_step", 0.0)
+        if self.stats.get("has_work") and stalled > self.cfg.health_stall_timeout:
+            return f"engine holds work but has not completed a step for {stalled:.0f}s"
+        return None
+
+    async def ready(self, request: Request) -> Response:
+        if self.ctx is None or self.ctx.dead is not None or self.ctx.client.dead is not None:
+            return JSONResponse({"ready": False}, status_code=503)
+        return JSONResponse({"ready": True, "model": self.model_name})
+
+    async def metrics(self, request: Request) -> Response:
+        if self.ctx is None:
+            return Response(b"", media_type="text/plain")
+        body, content_type = self.ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def openapi(self, request: Request) -> Response:
+        from frontend.openapi import build_openapi
+
+        return JSONResponse(build_openapi("Ember", engine_version()))
+
+
+def build_app(address: str, model_dir: str, cfg: ServerConfig) -> Starlette:
+    """The ASGI app for an engine core listening at `address`."""
+    api = Api(address, model_dir, cfg)
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/version", api.version, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/ready", api.ready, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/openapi.json", api.openapi, methods=["GET"]),
+    ]
+    middleware = [Middleware(BodyLimit, limit=cfg.max_request_bytes)]
+    if cfg.api_key:
+        middleware.append(Middleware(ApiKey, key=cfg.api_key))
+    if cfg.allowed_origins:
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cfg.allowed_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+            ),
+        )
+    app = Starlette(routes=routes, middleware=middleware, lifespan=api.lifespan)
+    app.state.api = api
+    return app

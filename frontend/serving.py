@@ -1,0 +1,262 @@
+"""Runs one OpenAI completion or chat request against the engine core and answers it.
+
+Runs in the HTTP server process (uvloop). A request's prompts x n sequences are submitted through the
+same `AsyncEngineClient` the SDK uses; their outputs are merged, detokenized and checked for stop
+strings by a per-request `OutputProcessor`, then sent as one JSON body or as SSE chunks
+(`data: {...}`, `data: [DONE]`). Leaving early (client disconnect, error) cancels the streams, which
+aborts the requests in the core. An engine that dies becomes a 503 or an SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from coreproc.protocol import EngineInfo, EngineOutput, SamplingParams
+from frontend import openai_responses as oresp
+from frontend.metrics import EngineMetrics, RequestTimer
+from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from frontend.output_processor import OutputProcessor, SequenceDelta
+from frontend.render import Prompt, response_body
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class ServingContext:
+    """What every request handler needs; built once when the server starts."""
+
+    client: AsyncEngineClient
+    tokenizer: Any
+    info: EngineInfo
+    model_name: str
+    metrics: EngineMetrics
+    chat_template: str | None = None
+    max_num_queued: int | None = None
+    queued: int = 0  # sequences submitted that have not produced a token yet
+    dead: str | None = None  # why the engine is gone, once it is
+
+    def decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+
+def error_response(err: RequestError) -> JSONResponse:
+    return JSONResponse(err.error_body(), status_code=err.status)
+
+
+def engine_dead_error(reason: str) -> RequestError:
+    return RequestError(f"the engine is not available: {reason}", status=503, err_type="service_unavailable")
+
+
+@dataclass
+class Generation:
+    """One API request in flight: its sequences in the engine and the merged output stream."""
+
+    ctx: ServingContext
+    req: CompletionRequest | ChatCompletionRequest
+    prompts: list[Prompt]
+    params: list[SamplingParams]
+    hexid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    timer: RequestTimer | None = None
+
+    def __post_init__(self) -> None:
+        self.processor = OutputProcessor(self.ctx.tokenizer)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.rids: list[str] = []
+        self.waiting: set[str] = set()  # sequences still counted as queued
+
+    @property
+    def num_sequences(self) -> int:
+        return sum(p.n for p in self.params)
+
+    def start(self) -> None:
+        ctx = self.ctx
+        if ctx.max_num_queued is not None and ctx.queued + self.num_sequences > ctx.max_num_queued:
+            raise RequestError(
+                f"too many queued requests (limit {ctx.max_num_queued}); retry later",
+                status=503,
+                err_type="service_unavailable",
+            )
+        self.timer = ctx.metrics.request_started()
+        for k, ((text, ids), params) in enumerate(zip(self.prompts, self.params)):
+            rid = f"{self.hexid}-{k}"
+            self.rids.append(rid)
+            for eid, sub in self.processor.add_request(rid, text, ids, params):
+                self.waiting.add(eid)
+                self.tasks.append(asyncio.create_task(self._pump(eid, ids, sub)))
+        ctx.queued += len(self.waiting)
+
+    async def _pump(self, eid: str, ids: list[int], params: SamplingParams) -> None:
+        try:
+            async for out in self.ctx.client.generate(
+                ids, params, request_id=eid, priority=self.req.priority, cache_salt=self.req.cache_salt
+            ):
+                self.queue.put_nowait(out)
+        except Exception as e:  # EngineDeadError, EngineRequestError: surfaced by `deltas`
+            self.queue.put_nowait(e)
+
+    def _started(self, eid: str) -> None:
+        if eid in self.waiting:
+            self.waiting.discard(eid)
+            self.ctx.queued -= 1
+
+    async def deltas(self) -> AsyncIterator[SequenceDelta]:
+        """Sequence deltas as they come; ends when every sequence has finished."""
+        remaining = self.num_sequences
+        while remaining:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                raise item
+            out: EngineOutput = item
+            self._started(out.request_id)
+            deltas, to_abort = self.processor.process([out])
+            for eid in to_abort:
+                await self.ctx.client.abort(eid)
+            for d in deltas:
+                if d.token_ids:
+                    self.timer.tokens(len(d.token_ids))
+                if d.finish_reason is not None:
+                    remaining -= 1
+                yield d
+
+    def results(self) -> list:
+        return [self.processor.pop_finished(rid) for rid in self.rids]
+
+    async def close(self, finish_reason: str) -> None:
+        """Cancel what still runs (aborting it in the engine) and record the request's metrics."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for eid in list(self.waiting):
+            self._started(eid)
+        if self.timer is not None:
+            prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+            generated = sum(
+                len(s.output.token_ids) for p in self.processor.parents.values() for s in p.sequences
+            )
+            self.timer.finish(finish_reason, prompt_tokens, generated)
+            self.timer = None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def respond(gen: Generation, request: Request) -> Response:
+    """A non-streaming response; a client that hangs up cancels the work."""
+
+    async def consume() -> None:
+        async for _ in gen.deltas():
+            pass
+
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            work.cancel()
+            await gen.close("abort")
+            return Response(status_code=499)
+        work.result()
+    except EngineDeadError as e:
+        await gen.close("error")
+        return error_response(engine_dead_error(str(e)))
+    except EngineRequestError as e:
+        await gen.close("error")
+        return error_response(RequestError(str(e)))
+    finally:
+        watch.cancel()
+    results = gen.results()
+    reasons = [o.finish_reason for r in results for o in r.outputs]
+    await gen.close("error" if "error" in reasons else reasons[0] or "stop")
+    ctx = gen.ctx
+    return JSONResponse(response_body(gen.req, results, ctx.model_name, gen.created, gen.hexid, ctx.decode))
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+async def stream(gen: Generation) -> AsyncIterator[bytes]:
+    """SSE chunks for a streaming request (completion or chat), then `data: [DONE]`."""
+    req, ctx = gen.req, gen.ctx
+    chat = isinstance(req, ChatCompletionRequest)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{gen.hexid}"
+    head = (rid, ctx.model_name, gen.created)
+    sent_text: dict[int, int] = {}  # choice index -> characters sent (completion text offsets)
+    reason = "abort"
+    try:
+        if chat:
+            n = gen.params[0].n
+            yield _sse(
+                oresp.chat_chunk(*head, [oresp.chat_delta(i, role="assistant", content="") for i in range(n)])
+            )
+        elif req.echo:
+            for k, (text, _) in enumerate(gen.prompts):
+                for i in range(req.n):
+                    sent_text[k * req.n + i] = len(text or "")
+                    choice = {
+                        "index": k * req.n + i,
+                        "text": text or "",
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield _sse(oresp.completion_chunk(*head, [choice]))
+        async for d in gen.deltas():
+            if not d.text and not d.token_ids and d.finish_reason is None:
+                continue
+            finish = oresp.openai_finish_reason(d.finish_reason)
+            if chat:
+                lp = None
+                if req.logprobs and d.logprobs is not None:
+                    lp = oresp.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0)
+                choice = oresp.chat_delta(d.index, content=d.text, logprobs=lp, finish_reason=finish)
+                yield _sse(oresp.chat_chunk(*head, [choice]))
+                continue
+            index = int(d.request_id.rsplit("-", 1)[1]) * req.n + d.index
+            lp = None
+            if req.logprobs is not None and d.logprobs is not None:
+                lp = oresp.completion_logprobs(d.token_ids, d.logprobs, ctx.decode, sent_text.get(index, 0))
+            sent_text[index] = sent_text.get(index, 0) + len(d.text)
+            choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": finish}
+            yield _sse(oresp.completion_chunk(*head, [choice]))
+        reason = "stop"
+        if req.stream_options is not None and req.stream_options.include_usage:
+            usage = oresp.usage_of(gen.results())
+            yield _sse((oresp.chat_chunk if chat else oresp.completion_chunk)(*head, [], usage))
+    except (EngineDeadError, EngineRequestError) as e:
+        reason = "error"
+        err = engine_dead_error(str(e)) if isinstance(e, EngineDeadError) else RequestError(str(e))
+        yield _sse(err.error_body())
+    finally:
+        await gen.close(reason)
+    yield b"data: [DONE]\n\n"
+
+
+async def serve_generation(
+    ctx: ServingContext,
+    request: Request,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[Prompt],
+) -> Response:
+    """Validate sampling against the context, submit, and answer (JSON or SSE)."""
+    from frontend.openai_protocol import to_sampling_params
+
+    params = [to_sampling_params(req, len(ids), ctx.info.max_model_len) for _, ids in prompts]
+    gen = Generation(ctx, req, prompts, params)
+    gen.start()
+    if req.stream:
+        return StreamingResponse(stream(gen), media_type="text/event-stream")
+    return await respond(gen, request)
