@@ -84,7 +84,9 @@ class CoreServer:
         self.sock.bind(listen)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.codec = Codec(TO_CORE)
-        self.engine = EngineCore(config, MultiprocExecutor(config, runtime_dir))
+        executor = MultiprocExecutor(config, runtime_dir)
+        executor.serve_while_waiting(self.sock, lambda: self._drain(0))
+        self.engine = EngineCore(config, executor)
         overlapped = config.scheduler.async_scheduling
         self._step = self.engine.step_overlapped if overlapped else self.engine.step
         self.owner: dict[str, bytes] = {}  # request id -> client identity

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -101,6 +102,9 @@ class MultiprocExecutor:
         endpoint = ipc_endpoint(runtime_dir, "workers")
         self.sock.bind(endpoint)
         self.codec = Codec(FROM_WORKER)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
         self.procs: list[subprocess.Popen] = []
         self._step = 0
@@ -138,9 +142,18 @@ class MultiprocExecutor:
                 ready[msg.rank] = msg
         return [ready[r] for r in range(self.size)]
 
+    def serve_while_waiting(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
+        """While a step runs, call `handler` whenever `sock` has input (the core's client socket),
+        so clients are answered (stats, aborts, new requests) even during a long step."""
+        self._poller.register(sock, zmq.POLLIN)
+        self._side = (sock, handler)
+
     def _recv(self, timeout_ms: int) -> object | None:
         """One message from any worker, or None; raises WorkerError on failure or death."""
-        if self.sock.poll(timeout_ms):
+        events = dict(self._poller.poll(timeout_ms))
+        if self._side is not None and self._side[0] in events:
+            self._side[1]()
+        if self.sock in events:
             _, *frames = self.sock.recv_multipart()
             msg = self.codec.decode(frames)
             if isinstance(msg, WorkerFailed):

@@ -75,6 +75,7 @@ class Generation:
         self.tasks: list[asyncio.Task] = []
         self.rids: list[str] = []
         self.waiting: set[str] = set()  # sequences still counted as queued
+        self.generated = 0  # tokens produced so far, all sequences
 
     @property
     def num_sequences(self) -> int:
@@ -125,6 +126,7 @@ class Generation:
                 await self.ctx.client.abort(eid)
             for d in deltas:
                 if d.token_ids:
+                    self.generated += len(d.token_ids)
                     self.timer.tokens(len(d.token_ids))
                 if d.finish_reason is not None:
                     remaining -= 1
@@ -134,10 +136,13 @@ class Generation:
         return [self.processor.pop_finished(rid) for rid in self.rids]
 
     async def close(self, finish_reason: str) -> None:
-        """Cancel what still runs (aborting it in the engine) and record the request's metrics."""
+        """Cancel what still runs (aborting it in the engine) and record the request's metrics.
+
+        Everything but the final wait is synchronous: under a cancelled scope (a client that hung up)
+        the await may be interrupted, and the aborts and metrics must happen anyway.
+        """
         for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
         for eid in list(self.waiting):
             self._started(eid)
         if self.timer is not None:
@@ -147,6 +152,7 @@ class Generation:
             )
             self.timer.finish(finish_reason, prompt_tokens, generated)
             self.timer = None
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 async def _disconnected(request: Request) -> None:
