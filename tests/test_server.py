@@ -278,9 +278,15 @@ def test_disconnect_aborts_the_request(server):
     assert metric(server, "ember_requests_total", 'finished_reason="length"') == completed
 
 
-def test_api_key_cors_and_queue_limit(llama):
+def test_api_key_cors_queue_limit_and_chat_template(llama, tmp_path, offline):
+    template = tmp_path / "template.jinja"
+    template.write_text(
+        "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+    )
     proc, url = start_server(
         llama,
+        "--chat-template",
+        str(template),
         "--api-key",
         "s3cret",
         "--allowed-origins",
@@ -297,6 +303,11 @@ def test_api_key_cors_and_queue_limit(llama):
         assert httpx.get(f"{url}/health").status_code == 200  # probes stay open
         good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
         assert good.models.list().data[0].id == "llama"
+        msgs = [{"role": "user", "content": "hi"}]
+        rendered = httpx.post(f"{url}/tokenize", json={"messages": msgs}).json()["tokens"]
+        assert rendered == offline.get_tokenizer()("<<hi>>=>", add_special_tokens=False).input_ids
+        bare = httpx.post(f"{url}/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()
+        assert bare["tokens"] == offline.get_tokenizer()("<<hi>>", add_special_tokens=False).input_ids
         pre = httpx.options(
             f"{url}/v1/completions",
             headers={"Origin": "https://example.org", "Access-Control-Request-Method": "POST"},
