@@ -286,6 +286,22 @@ class Api:
         return JSONResponse(build_openapi("Ember", engine_version()))
 
 
+async def internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    err = RequestError(f"internal error: {type(exc).__name__}", status=500, err_type="internal_error")
+    return error_response(err)
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    err = RequestError(f"no route {request.url.path}", status=404, err_type="not_found_error")
+    return error_response(err)
+
+
+async def not_allowed(request: Request, exc: Exception) -> Response:
+    err = RequestError(f"{request.method} is not allowed on {request.url.path}", status=405)
+    return error_response(err)
+
+
 def build_app(address: str, model_dir: str, cfg: ServerConfig) -> Starlette:
     """The ASGI app for an engine core listening at `address`."""
     api = Api(address, model_dir, cfg)
@@ -314,6 +330,11 @@ def build_app(address: str, model_dir: str, cfg: ServerConfig) -> Starlette:
                 allow_headers=["*"],
             ),
         )
-    app = Starlette(routes=routes, middleware=middleware, lifespan=api.lifespan)
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        lifespan=api.lifespan,
+        exception_handlers={Exception: internal_error, 404: not_found, 405: not_allowed},
+    )
     app.state.api = api
     return app

@@ -213,6 +213,16 @@ def test_errors_raise_the_matching_openai_exceptions(client, server):
     assert raw.status_code == 400
     body = raw.json()["error"]
     assert set(body) == {"message", "type", "param", "code"}
+    for resp, status in (
+        (httpx.get(f"{server}/v1/nothing"), 404),
+        (httpx.get(f"{server}/v1/completions"), 405),
+    ):
+        assert resp.status_code == status and set(resp.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
 
 
 def test_tokenize_detokenize_models_version_openapi(server, offline):
