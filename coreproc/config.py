@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.models import SUPPORTED_ARCHITECTURES
+from workers.quant import resolve_name as resolve_quantization
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 POLICIES = ("fcfs", "priority")
@@ -56,6 +57,7 @@ class ModelConfig:
     hidden_size: int
     tokenizer: str
     seed: int = 0
+    quantization: str | None = None  # canonical online-quantization method name
 
     @classmethod
     def from_dir(
@@ -65,6 +67,7 @@ class ModelConfig:
         max_model_len: int | None = None,
         seed: int = 0,
         device: str = "cpu",
+        quantization: str | None = None,
     ) -> ModelConfig:
         """Read config.json. dtype "auto" takes the checkpoint's dtype, except that on a CPU without
         native half-precision arithmetic it computes in float32 (emulated bf16 is many times slower)."""
@@ -77,6 +80,10 @@ class ModelConfig:
         if not any(path.glob("*.safetensors")):
             raise ConfigError(f"{path} holds no *.safetensors weights")
         hf = json.loads(cfg_file.read_text())
+        try:
+            quantization = resolve_quantization(quantization)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if hf.get("quantization_config"):
             method = hf["quantization_config"].get("quant_method", "unknown")
             raise ConfigError(f"{path} is a pre-quantized checkpoint ({method}); Ember does not load those")
@@ -119,6 +126,7 @@ class ModelConfig:
             hidden_size=hidden,
             tokenizer=str(path),
             seed=seed,
+            quantization=quantization,
         )
 
 
@@ -215,6 +223,7 @@ class EngineConfig:
         dtype: str = "auto",
         max_model_len: int | None = None,
         seed: int = 0,
+        quantization: str | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         scheduling_policy: str = "fcfs",
@@ -232,7 +241,12 @@ class EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
         device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
         model_cfg = ModelConfig.from_dir(
-            model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device_cfg.resolved_type
+            model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            device=device_cfg.resolved_type,
+            quantization=quantization,
         )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))

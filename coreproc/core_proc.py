@@ -107,6 +107,10 @@ class CoreServer:
             tensor_parallel_size=cfg.parallel.tensor_parallel_size,
             version=engine_version(),
             eos_token_ids=self.eos_ids,
+            quantization=cfg.model.quantization,
+            weight_bytes_by_dtype=self.engine.executor.ready[0].weight_bytes_by_dtype,
+            load_seconds=self.engine.executor.ready[0].load_seconds,
+            quantize_seconds=self.engine.executor.ready[0].quantize_seconds,
         )
 
     # ------------------------------------------------------------------ client messages

@@ -176,6 +176,8 @@ class WorkerReady(msgspec.Struct, kw_only=True):
     weight_bytes: int
     load_seconds: float
     device: str
+    weight_bytes_by_dtype: dict[str, int] = {}
+    quantize_seconds: float = 0.0
 
 
 # ----------------------------------------------------------------------------- core -> frontend
@@ -238,6 +240,10 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     tensor_parallel_size: int
     version: str
     eos_token_ids: list[int] = []
+    quantization: str | None = None
+    weight_bytes_by_dtype: dict[str, int] = {}  # rank 0's weights
+    load_seconds: float = 0.0
+    quantize_seconds: float = 0.0
 
 
 class CoreReady(msgspec.Struct, kw_only=True):

@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="quantize weights while loading: fp8_per_tensor (alias fp8), int8, int4",
+    )
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
@@ -48,6 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         model=model,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
+        quantization=args.quantization,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,

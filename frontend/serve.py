@@ -43,6 +43,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def describe_engine(address: str) -> str:
+    """One line for the operator: model, weight memory by dtype, load and quantization time."""
+    from coreproc.client import EngineClient
+
+    with EngineClient(address) as client:
+        info = client.info_cache
+    weights = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(info.weight_bytes_by_dtype.items()))
+    return (
+        f"ember serve: {info.model} (quantization {info.quantization or 'none'}): weights {weights}; "
+        f"loaded in {info.load_seconds:.2f}s, quantized in {info.quantize_seconds:.2f}s; "
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens"
+    )
+
+
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     import uvicorn
 
@@ -63,6 +77,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
+        print(describe_engine(core.address), flush=True)
         app = build_app(core.address, config.model.model, cfg)
         level = logging.getLevelName(logging.getLogger().level).lower()
         server = uvicorn.Server(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -28,6 +29,9 @@ class Result:
     output_tokens: int
     seconds: float
     steps: int
+    quantization: str = "none"
+    weight_bytes: int = 0
+    quantize_seconds: float = 0.0
 
     @property
     def output_tps(self) -> float:
@@ -49,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--result-json", default=None, help="also write the figures to this file")
+    p.add_argument(
+        "--quantization-methods",
+        default=None,
+        help="comma-separated methods to compare in-process, one row each (e.g. none,fp8,int8,int4)",
+    )
 
 
 def make_prompts(vocab_size: int, special: set[int], n: int, length: int, seed: int) -> list[list[int]]:
@@ -67,16 +76,32 @@ def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingP
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         steps = llm.stats()["num_steps"] - steps0
+        ready = llm.engine.executor.ready[0]
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    return Result("inproc", len(prompts), sum(map(len, prompts)), produced, seconds, steps)
+    method = config.model.quantization or "none"
+    return Result(
+        "inproc",
+        len(prompts),
+        sum(map(len, prompts)),
+        produced,
+        seconds,
+        steps,
+        method,
+        ready.weight_bytes,
+        ready.quantize_seconds,
+    )
 
 
 def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> Result:
     from coreproc.client import AsyncEngineClient
     from coreproc.launcher import CoreProcess
 
+    core_info = None
+
     async def drive(address: str) -> tuple[int, float, int]:
+        nonlocal core_info
         client = await AsyncEngineClient.connect(address)
+        core_info = client.info_cache
         try:
 
             async def one(p: list[int], sp: SamplingParams) -> int:
@@ -94,7 +119,18 @@ def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: Sampli
     with CoreProcess(config) as core:
         produced, seconds, steps = asyncio.run(drive(core.address))
     mode = "multiproc" if config.scheduler.async_scheduling else "multiproc-sync"
-    return Result(mode, len(prompts), sum(map(len, prompts)), produced, seconds, steps)
+    info = core_info
+    return Result(
+        mode,
+        len(prompts),
+        sum(map(len, prompts)),
+        produced,
+        seconds,
+        steps,
+        config.model.quantization or "none",
+        sum(info.weight_bytes_by_dtype.values()),
+        info.quantize_seconds,
+    )
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
@@ -106,20 +142,36 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     results = []
-    if args.mode in ("inproc", "both"):
-        results.append(run_inproc(config, prompts, params))
-    if args.mode in ("multiproc", "both"):
-        results.append(run_multiproc(config, prompts, params))
+    if args.quantization_methods:
+        from coreproc.config import ConfigError
+        from workers.quant import resolve_name
+
+        for name in args.quantization_methods.split(","):
+            try:
+                method = resolve_name(name.strip())
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            quantized = dataclasses.replace(
+                config, model=dataclasses.replace(config.model, quantization=method)
+            )
+            results.append(run_inproc(quantized, prompts, params))
+    else:
+        if args.mode in ("inproc", "both"):
+            results.append(run_inproc(config, prompts, params))
+        if args.mode in ("multiproc", "both"):
+            results.append(run_multiproc(config, prompts, params))
     print(
         f"model {config.model.model} ({config.model.dtype}), {args.num_prompts} prompts x "
         f"{args.input_len} in / {args.output_len} out, max_num_seqs {config.scheduler.max_num_seqs}"
     )
-    print(f"{'mode':<15}{'out tok/s':>11}{'total tok/s':>13}{'seconds':>9}{'steps':>7}{'ms/step':>9}")
+    head = f"{'mode':<15}{'quant':<16}{'out tok/s':>11}{'total tok/s':>13}{'seconds':>9}{'steps':>7}"
+    print(head + f"{'ms/step':>9}{'weights MiB':>13}{'quant s':>9}")
     for r in results:
         print(
-            f"{r.mode:<15}{r.output_tps:>11.1f}{r.total_tps:>13.1f}{r.seconds:>9.2f}{r.steps:>7}{r.ms_per_step:>9.2f}"
+            f"{r.mode:<15}{r.quantization:<16}{r.output_tps:>11.1f}{r.total_tps:>13.1f}{r.seconds:>9.2f}"
+            f"{r.steps:>7}{r.ms_per_step:>9.2f}{r.weight_bytes / 2**20:>13.1f}{r.quantize_seconds:>9.2f}"
         )
-    if len(results) == 2:
+    if len(results) == 2 and not args.quantization_methods:
         a, b = results
         loss = 100.0 * (1 - b.output_tps / a.output_tps)
         overhead = (b.seconds - a.seconds) * 1000 / max(1, b.steps)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kernels import AttentionBackend
 from workers.models import resolve
 from workers.parallel import TPGroup
+from workers.quant import make_method
 
 
 class WeightLoadError(RuntimeError):
@@ -108,6 +109,19 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
             raise WeightLoadError(f"checkpoint is missing weights for parameter {pname}")
 
 
+def quantize(model: nn.Module) -> float:
+    """The post-load pass of every quantized linear layer; returns the seconds it took."""
+    start = time.perf_counter()
+    with torch.no_grad():
+        for module in model.modules():
+            method = getattr(module, "quant", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+    if next(model.parameters()).device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def build_model(
     model_dir: str,
     architecture: str,
@@ -116,16 +130,21 @@ def build_model(
     tp: TPGroup,
     backend: AttentionBackend,
     max_positions: int,
+    quantization: str | None = None,
     show_progress: bool = True,
-) -> tuple[nn.Module, float]:
-    """Instantiate the architecture on `device` in `dtype` and load its weights; returns (model, seconds)."""
+) -> tuple[nn.Module, float, float]:
+    """Instantiate the architecture on `device` in `dtype`, load its weights and quantize them.
+
+    Returns (model, seconds loading, seconds in the quantization pass)."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cls = resolve(architecture)
+    method = make_method(quantization)
     with torch.device(device), default_dtype(dtype):
-        model = cls(hf_config, tp, backend, max_positions)
+        model = cls(hf_config, tp, backend, max_positions, quant=method)
     load_weights(model, checkpoint_files(Path(model_dir)), show_progress)
     model.eval()
-    return model, time.perf_counter() - start
+    load_seconds = time.perf_counter() - start
+    return model, load_seconds, quantize(model)

@@ -81,7 +81,7 @@ class Worker:
 
     def load(self, show_progress: bool = True) -> WorkerReady:
         cfg = self.config
-        model, seconds = build_model(
+        model, seconds, quant_seconds = build_model(
             cfg.model.model,
             cfg.model.architecture,
             self.dtype,
@@ -89,9 +89,14 @@ class Worker:
             self.tp,
             self.backend,
             cfg.model.max_model_len,
+            cfg.model.quantization,
             show_progress,
         )
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        by_dtype: dict[str, int] = {}
+        for p in model.parameters():
+            key = str(p.dtype).removeprefix("torch.")
+            by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+        weight_bytes = sum(by_dtype.values())
         attn = model.model.layers[0].self_attn
         num_kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
         per_token = kv_bytes_per_token(cfg.model.num_layers, num_kv_heads, head_dim, self.dtype)
@@ -105,14 +110,17 @@ class Worker:
             torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.model.num_layers)
         ]
         log.info(
-            "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; "
-            "weights %.1f MiB loaded in %.2fs; backend %s",
+            "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB (%s) loaded in %.2fs, "
+            "quantized (%s) in %.2fs; backend %s",
             self.tp.rank,
             num_blocks,
             num_blocks * bytes_per_block / 2**20,
             time.perf_counter() - start,
             weight_bytes / 2**20,
+            ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
             seconds,
+            cfg.model.quantization or "none",
+            quant_seconds,
             self.backend.name,
         )
         self.runner = ModelRunner(model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed)
@@ -121,7 +129,9 @@ class Worker:
             num_kv_blocks=num_blocks,
             kv_bytes_per_block=bytes_per_block,
             weight_bytes=weight_bytes,
+            weight_bytes_by_dtype=by_dtype,
             load_seconds=seconds,
+            quantize_seconds=quant_seconds,
             device=str(self.device),
         )
 

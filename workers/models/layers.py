@@ -18,6 +18,7 @@ from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
 from workers.parallel import TPGroup
+from workers.quant.base import QuantMethod, Unquantized
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -38,11 +39,19 @@ class ColumnLinear(nn.Module):
     at its offset inside this rank's slice.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, tp: TPGroup) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool,
+        tp: TPGroup,
+        quant: QuantMethod | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
+        self.quant = quant or Unquantized()
         self.local_sizes = [tp.shard(s, "projection size") for s in out_sizes]
-        self.weight = _param(sum(self.local_sizes), in_features)
+        self.quant.create_weights(self, sum(self.local_sizes), in_features)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(sum(self.local_sizes)) if bias else None
         if self.bias is not None:
@@ -59,17 +68,20 @@ class ColumnLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant.apply(self, x, self.bias)
 
 
 class RowLinear(nn.Module):
     """y = x @ W.T (+ b) with the input dimension split across TP ranks; partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, quant: QuantMethod | None = None
+    ) -> None:
         super().__init__()
         self.tp = tp
+        self.quant = quant or Unquantized()
         self.local_in = tp.shard(in_features, "row-parallel input size")
-        self.weight = _param(out_features, self.local_in)
+        self.quant.create_weights(self, out_features, self.local_in)
         self.weight.weight_loader = self.weight_loader
         self.bias = _param(out_features) if bias else None
         if self.bias is not None:
@@ -82,7 +94,7 @@ class RowLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.quant.apply(self, x))
         return y if self.bias is None else y + self.bias
 
 

@@ -25,6 +25,7 @@ from workers.models.layers import (
     silu_and_mul,
 )
 from workers.parallel import TPGroup
+from workers.quant.base import QuantMethod
 
 
 class DecoderAttention(nn.Module):
@@ -38,6 +39,7 @@ class DecoderAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         sliding_window: int | None,
+        quant: QuantMethod | None = None,
     ) -> None:
         super().__init__()
         hidden = cfg.hidden_size
@@ -48,8 +50,8 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = tp.shard(kv_heads, "num_key_value_heads")
         d = self.head_dim
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = ColumnLinear(hidden, [heads * d, kv_heads * d, kv_heads * d], qkv_bias, tp)
-        self.o_proj = RowLinear(heads * d, hidden, o_bias, tp)
+        self.qkv_proj = ColumnLinear(hidden, [heads * d, kv_heads * d, kv_heads * d], qkv_bias, tp, quant)
+        self.o_proj = RowLinear(heads * d, hidden, o_bias, tp, quant)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(cfg, d, max_positions)
@@ -70,24 +72,27 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup) -> None:
+    def __init__(self, cfg: Any, tp: TPGroup, quant: QuantMethod | None = None) -> None:
         super().__init__()
         inter = cfg.intermediate_size
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"activation {act!r} is not supported (only silu)")
-        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], getattr(cfg, "mlp_bias", False), tp)
-        self.down_proj = RowLinear(inter, cfg.hidden_size, getattr(cfg, "mlp_bias", False), tp)
+        bias = getattr(cfg, "mlp_bias", False)
+        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], bias, tp, quant)
+        self.down_proj = RowLinear(inter, cfg.hidden_size, bias, tp, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, tp: TPGroup, attn: DecoderAttention) -> None:
+    def __init__(
+        self, cfg: Any, tp: TPGroup, attn: DecoderAttention, quant: QuantMethod | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = attn
-        self.mlp = DecoderMLP(cfg, tp)
+        self.mlp = DecoderMLP(cfg, tp, quant)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -123,7 +128,14 @@ class LlamaForCausalLM(nn.Module):
     # checkpoint entries that carry no weights we need (precomputed rotary tables)
     ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
 
-    def __init__(self, cfg: Any, tp: TPGroup, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        max_positions: int,
+        quant: QuantMethod | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg
         cfg_bias = bool(getattr(cfg, "attention_bias", False))
@@ -142,7 +154,9 @@ class LlamaForCausalLM(nn.Module):
                     o_bias,
                     self.qk_norm,
                     self.layer_sliding_window(cfg, i),
+                    quant,
                 ),
+                quant,
             )
             for i in range(cfg.num_hidden_layers)
         ]

@@ -1,0 +1,44 @@
+"""Online quantization methods, chosen by name (`--quantization`); importing this never loads torch.
+
+Runs in worker processes (and the config validates names in every process). `resolve_name` maps
+aliases and refuses unknown methods with the list of supported ones; `make_method` builds the
+`QuantMethod` that every linear layer of the model shares.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any
+
+log = logging.getLogger("ember.quant")
+
+QUANT_METHODS: dict[str, str] = {
+    "fp8_per_tensor": "workers.quant.fp8:Fp8PerTensor",
+    "int8": "workers.quant.int8:Int8WeightOnly",
+    "int4": "workers.quant.int4:Int4Grouped",
+}
+ALIASES = {"fp8": "fp8_per_tensor"}
+
+
+def resolve_name(name: str | None) -> str | None:
+    """The canonical method name (None: no quantization); ValueError for unknown names."""
+    if name is None or name in ("", "none"):
+        return None
+    if name in ALIASES:
+        log.warning("--quantization %s is an alias for %s", name, ALIASES[name])
+        return ALIASES[name]
+    if name not in QUANT_METHODS:
+        supported = ", ".join([*QUANT_METHODS, *ALIASES])
+        raise ValueError(f"unknown quantization method {name!r}; supported: {supported}")
+    return name
+
+
+def make_method(name: str | None, **params: Any) -> Any:
+    """The method object for a canonical name (None: the unquantized method)."""
+    if name is None:
+        from workers.quant.base import Unquantized
+
+        return Unquantized()
+    module, cls = QUANT_METHODS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(**params)

@@ -1,0 +1,87 @@
+"""The interface every quantization method implements, and the unquantized method.
+
+Runs in worker processes. A method is shared by all linear layers of a model and keeps no per-layer
+state itself: it creates a layer's checkpoint-precision weight, turns it into its processed form
+after loading (the expensive pass), and computes the layer's matmul. `layout(layer)` describes the
+processed tensors exactly (shape, stride, dtype, attributes such as a transpose or a group size) so a
+weight cache can rebuild the layer from them; `cacheable` says whether that is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Enough to rebuild a processed tensor from raw bytes."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."))
+
+
+class QuantMethod(ABC):
+    """Create -> load (checkpoint precision) -> process_weights_after_loading -> apply."""
+
+    name: ClassVar[str]
+    cacheable: ClassVar[bool] = True  # processed weights may be served from the preload cache
+
+    def __init__(self, **params: Any) -> None:
+        self.params = params
+
+    def config(self) -> dict[str, Any]:
+        return {"method": self.name, **self.params}
+
+    def config_hash(self) -> str:
+        """Stable across processes and runs: sha256 of the sorted JSON config."""
+        return hashlib.sha256(json.dumps(self.config(), sort_keys=True).encode()).hexdigest()
+
+    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+        """The weight the checkpoint loads into (compute dtype, [out, in])."""
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Replace the loaded weight by its processed form."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ bias) for the layer's processed weight."""
+
+    def tensor_names(self) -> tuple[str, ...]:
+        return ("weight",)
+
+    def layout(self, layer: nn.Module) -> dict[str, Any]:
+        """Processed tensors (name -> TensorSpec) and layer attributes, for rebuilding the layer."""
+        tensors = {n: TensorSpec.of(getattr(layer, n)) for n in self.tensor_names()}
+        return {"method": self.config(), "tensors": tensors, "attrs": dict(getattr(layer, "quant_attrs", {}))}
+
+    @staticmethod
+    def replace(layer: nn.Module, name: str, value: torch.Tensor) -> None:
+        """Swap a parameter for its processed tensor (frozen; dtype may be integer or float8)."""
+        if name in layer._parameters:
+            del layer._parameters[name]
+        layer.register_parameter(name, nn.Parameter(value, requires_grad=False))
+
+
+class Unquantized(QuantMethod):
+    name = "none"
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)

@@ -1,0 +1,60 @@
+"""int4: weight-only, group-wise asymmetric int4 with packed storage (w4a16).
+
+Runs in worker processes. Each output row is split into groups of `group_size` input columns (128 by
+default; the gcd with the row length when it does not divide it, recorded in the layer's attributes);
+each group has a scale and a zero point. Storage: uint8 [out, in/2] (two values per byte) plus scales
+and zeros [out, in/group] in the compute dtype. Matmul: the Triton dequant-matmul kernel on CUDA, the
+torch reference (dequantize, then dense matmul) elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kernels.int4_matmul import int4_matmul_torch, int4_matmul_triton, pack_int4
+from workers.quant.base import QuantMethod
+
+
+def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K/2], scales [N, K/group], zeros [N, K/group]), all from a [N, K] weight."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15.0).clamp(min=1e-12)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15).reshape(n, k)
+    return pack_int4(q), scale, zero
+
+
+class Int4Grouped(QuantMethod):
+    name = "int4"
+
+    def __init__(self, group_size: int = 128) -> None:
+        super().__init__(group_size=group_size)
+        self.group_size = group_size
+
+    def tensor_names(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale", "weight_zero")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        k = w.shape[1]
+        if k % 2:
+            raise ValueError(f"int4 needs an even input size, got {k}")
+        group = self.group_size if k % self.group_size == 0 else math.gcd(k, self.group_size)
+        packed, scale, zero = quantize_groupwise(w, group)
+        self.replace(layer, "weight", packed)
+        self.replace(layer, "weight_scale", scale.to(w.dtype))
+        self.replace(layer, "weight_zero", zero.to(w.dtype))
+        layer.quant_attrs = {"group_size": group, "in_features": k}
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        group = layer.quant_attrs["group_size"]
+        x2 = x.reshape(-1, x.shape[-1])
+        matmul = int4_matmul_triton if x.device.type == "cuda" else int4_matmul_torch
+        out = matmul(x2, layer.weight, layer.weight_scale, layer.weight_zero, group)
+        out = out.reshape(*x.shape[:-1], layer.weight.shape[0])
+        return out if bias is None else out + bias
