@@ -31,9 +31,12 @@ def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
     cmd += ["--served-model-name", "llama", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    match = re.search(r"http://[\d.]+:\d+", line)
-    assert match, f"no address in {line!r}"
+    lines = []
+    while not (lines and "listening on" in lines[-1]) and proc.poll() is None:
+        lines.append(proc.stdout.readline())
+    match = re.search(r"http://[\d.]+:\d+", lines[-1] if lines else "")
+    assert match, f"no address in {lines!r}"
+    assert "weights float32" in "".join(lines), "the start-up line reports weight memory by dtype"
     url = match.group(0)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
