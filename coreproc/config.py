@@ -23,6 +23,16 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message is one line meant for the user."""
 
 
+def engine_version() -> str:
+    """The installed ember-serve version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ember-serve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
 def cpu_has_fast_half() -> bool:
     """Whether this CPU computes bfloat16/float16 natively (AVX-512 BF16 / AMX); else they are emulated."""
     try:
@@ -58,6 +68,7 @@ class ModelConfig:
     tokenizer: str
     seed: int = 0
     quantization: str | None = None  # canonical online-quantization method name
+    revision: str | None = None  # the user's name for this checkpoint version (part of the cache key)
 
     @classmethod
     def from_dir(
@@ -68,6 +79,7 @@ class ModelConfig:
         seed: int = 0,
         device: str = "cpu",
         quantization: str | None = None,
+        revision: str | None = None,
     ) -> ModelConfig:
         """Read config.json. dtype "auto" takes the checkpoint's dtype, except that on a CPU without
         native half-precision arithmetic it computes in float32 (emulated bf16 is many times slower)."""
@@ -127,6 +139,7 @@ class ModelConfig:
             tokenizer=str(path),
             seed=seed,
             quantization=quantization,
+            revision=revision,
         )
 
 
@@ -175,14 +188,36 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism; each worker gets its own copy with `rank` set (dataclasses.replace)."""
+    """Tensor parallelism (each worker gets its own copy with `rank` set) and this engine's DP place."""
 
     tensor_parallel_size: int = 1
     rank: int = 0
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ConfigError("tensor_parallel_size must be at least 1")
+        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ConfigError("data_parallel_rank must be in [0, data_parallel_size)")
+
+
+LOAD_FORMATS = ("auto", "ipc_cache")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where weights come from: the checkpoint on disk, or a preload daemon's cache (`ipc_cache`)."""
+
+    load_format: str = "auto"
+    socket_dir: str | None = None  # where preload daemons listen (default: a private per-user dir)
+    preload_wait_timeout: float = 0.0  # seconds to wait for a daemon before loading from disk
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(
+                f"unknown load format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -214,6 +249,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
 
     @classmethod
     def create(
@@ -235,8 +271,14 @@ class EngineConfig:
         enable_prefix_caching: bool = True,
         prefix_hash_seed: int | None = None,
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        data_parallel_rank: int = 0,
         device: str = "auto",
         attention_backend: str | None = None,
+        revision: str | None = None,
+        load_format: str = "auto",
+        socket_dir: str | None = None,
+        preload_wait_timeout: float = 0.0,
     ) -> EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
         device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
@@ -247,6 +289,7 @@ class EngineConfig:
             seed=seed,
             device=device_cfg.resolved_type,
             quantization=quantization,
+            revision=revision,
         )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))
@@ -266,8 +309,15 @@ class EngineConfig:
                 policy=scheduling_policy,
                 async_scheduling=async_scheduling,
             ),
-            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                data_parallel_size=data_parallel_size,
+                data_parallel_rank=data_parallel_rank,
+            ),
             device=device_cfg,
+            load=LoadConfig(
+                load_format=load_format, socket_dir=socket_dir, preload_wait_timeout=preload_wait_timeout
+            ),
         )
 
     @property

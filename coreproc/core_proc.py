@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq
 
-from coreproc.config import EngineConfig
+from coreproc.config import EngineConfig, engine_version
 from coreproc.engine import EngineCore
 from coreproc.executor import MultiprocExecutor, WorkerError
 from coreproc.ipc import Codec, CurveServer, is_loopback_endpoint
@@ -41,15 +41,6 @@ log = logging.getLogger("ember.core")
 
 IDLE_POLL_MS = 200
 REAP_INTERVAL_S = 0.5
-
-
-def engine_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ember-serve")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 class CoreServer:
@@ -111,6 +102,7 @@ class CoreServer:
             weight_bytes_by_dtype=self.engine.executor.ready[0].weight_bytes_by_dtype,
             load_seconds=self.engine.executor.ready[0].load_seconds,
             quantize_seconds=self.engine.executor.ready[0].quantize_seconds,
+            weight_source=self.engine.executor.ready[0].weight_source,
         )
 
     # ------------------------------------------------------------------ client messages

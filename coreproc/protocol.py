@@ -178,6 +178,8 @@ class WorkerReady(msgspec.Struct, kw_only=True):
     device: str
     weight_bytes_by_dtype: dict[str, int] = {}
     quantize_seconds: float = 0.0
+    weight_source: str = "disk"  # or "ipc_cache"
+    cache_fallback_reason: str = ""  # why the cache was not used, when it was asked for
 
 
 # ----------------------------------------------------------------------------- core -> frontend
@@ -244,6 +246,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     weight_bytes_by_dtype: dict[str, int] = {}  # rank 0's weights
     load_seconds: float = 0.0
     quantize_seconds: float = 0.0
+    weight_source: str = "disk"
 
 
 class CoreReady(msgspec.Struct, kw_only=True):
@@ -275,6 +278,73 @@ class Shutdown(msgspec.Struct, array_like=True):
     reason: str = ""
 
 
+# ----------------------------------------------------------------------------- weight cache (preload)
+
+
+class Fingerprint(msgspec.Struct, kw_only=True, frozen=True):
+    """Everything that decides the processed weights of one rank; any difference means "load from disk"."""
+
+    checkpoint: str  # sha256 of the shard names and safetensors headers (no weight reads)
+    architecture: str
+    model_config: str  # sha256 of config.json's canonical JSON
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    dtype: str
+    quantization: str
+    quant_config: str  # the quantization method's config hash
+    revision: str
+    engine_version: str
+    device: str  # CUDA: the GPU UUID; CPU: the host's machine id and boot id
+    role: str = "target"  # or "draft"
+
+
+class CacheRequest(msgspec.Struct, kw_only=True):
+    """Engine -> daemon over its Unix socket: "state" (give me the weights) or "ping" (are you ready?)."""
+
+    kind: str
+    fingerprint: Fingerprint | None = None
+
+
+class CacheTensor(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor inside the shared arena (CPU) or one CUDA IPC handle (GPU)."""
+
+    name: str
+    kind: str  # "param" | "buffer"
+    shape: list[int]
+    stride: list[int]
+    dtype: str
+    offset: int = 0  # bytes into the arena (CPU)
+    nbytes: int = 0  # bytes the tensor's strided span covers
+    ipc: list[Any] = []  # CUDA: the storage's IPC handle fields
+
+
+class CacheReply(msgspec.Struct, kw_only=True):
+    """Daemon -> engine. "ok" comes with the arena's file descriptor (SCM_RIGHTS) on CPU."""
+
+    status: str  # "ok" | "mismatch" | "error" | "ready"
+    message: str = ""
+    fields: list[str] = []  # fingerprint fields that differ (status "mismatch")
+    fingerprint: Fingerprint | None = None  # what the daemon holds
+    tensors: list[CacheTensor] = []
+    aliases: dict[str, str] = {}  # tied names -> the name whose tensor they share
+    module_attrs: dict[str, dict[str, Any]] = {}  # per-module quantization attributes
+    arena_bytes: int = 0
+
+
+class DaemonReady(msgspec.Struct, kw_only=True):
+    """Sent once by each preload daemon to its launcher: listening (with its socket), or why it failed."""
+
+    role: str
+    dp_rank: int
+    tp_rank: int
+    socket: str = ""
+    weight_bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
 # ----------------------------------------------------------------------------- framing
 
 # one-byte kind frame -> message type; the high nibble says the direction
@@ -291,6 +361,9 @@ KIND_OF: dict[type, bytes] = {
     StepResult: b"\x32",
     WorkerFailed: b"\x33",
     CoreReady: b"\x41",
+    DaemonReady: b"\x42",
+    CacheRequest: b"\x51",
+    CacheReply: b"\x52",
 }
 TYPE_OF: dict[bytes, type] = {kind: t for t, kind in KIND_OF.items()}
 

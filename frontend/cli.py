@@ -44,6 +44,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--data-parallel-rank", type=int, default=0, help="this engine's rank among DP engines")
+    g.add_argument("--revision", default=None, help="your name for this checkpoint version (cache key)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "ipc_cache"])
+    g.add_argument("--socket-dir", default=None, help="preload daemons' socket directory")
+    g.add_argument(
+        "--preload-wait-timeout", type=float, default=0.0, help="wait this long for a preload daemon (s)"
+    )
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
 
@@ -66,6 +74,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_rank=args.data_parallel_rank,
+        revision=args.revision,
+        load_format=args.load_format,
+        socket_dir=args.socket_dir,
+        preload_wait_timeout=args.preload_wait_timeout,
         device=args.device,
         attention_backend=args.attention_backend,
     )
@@ -166,6 +180,20 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return bench_throughput.run(args, EngineConfig.create(**engine_kwargs(args)))
 
 
+def cmd_preload(args: argparse.Namespace) -> int:
+    from coreproc.config import EngineConfig
+    from workers.weight_cache import preload
+
+    kwargs = engine_kwargs(args)
+    config = EngineConfig.create(**kwargs)
+    draft = None
+    if args.draft_model:
+        draft = EngineConfig.create(
+            **(kwargs | {"model": args.draft_model, "quantization": None, "revision": None})
+        )
+    return preload.run(args, config, draft)
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from coreproc import batch
 
@@ -204,6 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(core)
     core.set_defaults(func=cmd_core)
+
+    pre = sub.add_parser("preload", help="keep processed weights in memory for fast engine restarts")
+    from workers.weight_cache import preload
+
+    preload.add_arguments(pre)
+    add_engine_args(pre)
+    pre.set_defaults(func=cmd_preload)
 
     kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for `ember core --curve-keys` and clients")
     kg.add_argument("directory")

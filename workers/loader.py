@@ -122,6 +122,25 @@ def quantize(model: nn.Module) -> float:
     return time.perf_counter() - start
 
 
+def construct(
+    model_dir: str,
+    architecture: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp: TPGroup,
+    backend: AttentionBackend,
+    max_positions: int,
+    quantization: str | None = None,
+) -> nn.Module:
+    """The architecture's module tree on `device` (the meta device builds it without memory)."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    cls = resolve(architecture)
+    with torch.device(device), default_dtype(dtype):
+        return cls(hf_config, tp, backend, max_positions, quant=make_method(quantization))
+
+
 def build_model(
     model_dir: str,
     architecture: str,
@@ -136,14 +155,8 @@ def build_model(
     """Instantiate the architecture on `device` in `dtype`, load its weights and quantize them.
 
     Returns (model, seconds loading, seconds in the quantization pass)."""
-    from transformers import AutoConfig
-
     start = time.perf_counter()
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    cls = resolve(architecture)
-    method = make_method(quantization)
-    with torch.device(device), default_dtype(dtype):
-        model = cls(hf_config, tp, backend, max_positions, quant=method)
+    model = construct(model_dir, architecture, dtype, device, tp, backend, max_positions, quantization)
     load_weights(model, checkpoint_files(Path(model_dir)), show_progress)
     model.eval()
     load_seconds = time.perf_counter() - start

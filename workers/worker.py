@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from coreproc.config import ConfigError, EngineConfig
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
@@ -72,26 +73,45 @@ class Worker:
         self.tp = tp or TPGroup()
         self.device = torch.device(config.device.resolved)
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", self.tp.rank % max(1, torch.cuda.device_count()))
+            from workers.weight_cache.fingerprint import device_index
+
+            self.device = torch.device("cuda", device_index(config, self.tp.rank))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.model.dtype)
         self.backend = select_backend(self.device, config.device.attention_backend)
         self.runner: ModelRunner | None = None
 
+    def _from_cache(self) -> tuple[nn.Module | None, float, str]:
+        """The model mapped from a preload daemon, or (None, 0, why not)."""
+        from workers.weight_cache.client import CacheUnavailable, load_from_cache
+
+        start = time.perf_counter()
+        try:
+            model = load_from_cache(self.config, self.device, self.tp, self.backend)
+        except CacheUnavailable as e:
+            log.warning("rank %d: ipc_cache: %s; loading from disk", self.tp.rank, e)
+            return None, 0.0, str(e)
+        return model, time.perf_counter() - start, ""
+
     def load(self, show_progress: bool = True) -> WorkerReady:
         cfg = self.config
-        model, seconds, quant_seconds = build_model(
-            cfg.model.model,
-            cfg.model.architecture,
-            self.dtype,
-            self.device,
-            self.tp,
-            self.backend,
-            cfg.model.max_model_len,
-            cfg.model.quantization,
-            show_progress,
-        )
+        model, seconds, quant_seconds, fallback = None, 0.0, 0.0, ""
+        if cfg.load.load_format == "ipc_cache":
+            model, seconds, fallback = self._from_cache()
+        source = "ipc_cache" if model is not None else "disk"
+        if model is None:
+            model, seconds, quant_seconds = build_model(
+                cfg.model.model,
+                cfg.model.architecture,
+                self.dtype,
+                self.device,
+                self.tp,
+                self.backend,
+                cfg.model.max_model_len,
+                cfg.model.quantization,
+                show_progress,
+            )
         by_dtype: dict[str, int] = {}
         for p in model.parameters():
             key = str(p.dtype).removeprefix("torch.")
@@ -133,6 +153,8 @@ class Worker:
             load_seconds=seconds,
             quantize_seconds=quant_seconds,
             device=str(self.device),
+            weight_source=source,
+            cache_fallback_reason=fallback,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:

@@ -182,22 +182,26 @@ class RotaryEmbedding(nn.Module):
                 f"rope type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}"
             )
         rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        cpu = torch.device("cpu")
         if rope_type == "default":
             base = float(params["rope_theta"])
-            inv_freq = 1.0 / (
-                base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
-            )
-            scaling = 1.0
+            exponent = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=cpu).float() / rotary_dim
+            inv_freq, scaling = 1.0 / (base**exponent), 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu)
         self.rotary_dim = rotary_dim
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.max_positions = max_positions
+        self.inv_freq, self.scaling = inv_freq.float(), scaling  # host copies: tables can be rebuilt
+        self.materialize(torch.get_default_device())
+
+    def materialize(self, device: torch.device) -> None:
+        """(Re)build the cos/sin tables on `device` (models built on the meta device call this later)."""
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        emb = torch.cat((torch.outer(t, self.inv_freq),) * 2, dim=-1)
+        self.register_buffer("cos", (emb.cos() * self.scaling).to(device), persistent=False)
+        self.register_buffer("sin", (emb.sin() * self.scaling).to(device), persistent=False)
 
     @staticmethod
     def _rotate_half(x: torch.Tensor) -> torch.Tensor:

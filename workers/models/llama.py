@@ -34,7 +34,7 @@ class DecoderAttention(nn.Module):
         cfg: Any,
         tp: TPGroup,
         backend: AttentionBackend,
-        max_positions: int,
+        rotary: RotaryEmbedding,
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
@@ -54,7 +54,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowLinear(heads * d, hidden, o_bias, tp, quant)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = RotaryEmbedding(cfg, d, max_positions)
+        self.rotary = rotary  # one table shared by every layer
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, sliding_window, backend)
 
     def forward(
@@ -141,6 +141,8 @@ class LlamaForCausalLM(nn.Module):
         cfg_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = cfg_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = cfg_bias if self.o_bias is None else self.o_bias
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(cfg, head_dim, max_positions)
         layers = [
             DecoderLayer(
                 cfg,
@@ -149,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
                     cfg,
                     tp,
                     backend,
-                    max_positions,
+                    rotary,
                     qkv_bias,
                     o_bias,
                     self.qk_norm,

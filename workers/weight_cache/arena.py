@@ -1,0 +1,160 @@
+"""Sharing a model's processed tensors between processes without copying them.
+
+Runs in preload daemons (export) and engine workers (import). CPU: every tensor is placed in one
+memfd "arena" at an aligned offset, keeping its exact shape and strides; the daemon passes the file
+descriptor over its Unix socket (SCM_RIGHTS) and the engine maps it copy-on-write, so reads share the
+daemon's pages and a stray write can never reach them. CUDA: each tensor's storage is shared through
+a CUDA IPC handle. Tied tensors are exported once; the others are listed as aliases.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from coreproc.protocol import CacheTensor
+
+ALIGN = 64
+
+
+def span_elements(shape: list[int] | tuple[int, ...], stride: list[int] | tuple[int, ...]) -> int:
+    """Elements of storage a strided tensor covers."""
+    if any(n == 0 for n in shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+def strided_view(
+    base: torch.Tensor, offset: int, dtype: torch.dtype, shape: list[int], stride: list[int]
+) -> torch.Tensor:
+    """A tensor of `dtype` with exact `shape`/`stride` over bytes of `base` (uint8) at `offset`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    span = span_elements(shape, stride)
+    flat = base[offset : offset + span * itemsize].view(dtype)
+    return flat.as_strided(shape, stride)
+
+
+def named_tensors(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor]], dict[str, str]]:
+    """Every parameter once, plus aliases for names that share a tensor (tied weights).
+
+    Buffers (rotary tables) are not weights: they depend on the engine's max_model_len and the engine
+    rebuilds them (`materialize`)."""
+    seen: dict[tuple[int, int], str] = {}
+    entries: list[tuple[str, str, torch.Tensor]] = []
+    aliases: dict[str, str] = {}
+    items = [(n, "param", t) for n, t in model.named_parameters(remove_duplicate=False)]
+    for name, kind, t in items:
+        key = (t.data_ptr(), t.numel())
+        if key in seen and t.numel():
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        entries.append((name, kind, t))
+    return entries, aliases
+
+
+def module_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
+    return {name: dict(m.quant_attrs) for name, m in model.named_modules() if getattr(m, "quant_attrs", None)}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CpuArena:
+    """The daemon's shared memory: one memfd holding every tensor of the model."""
+
+    def __init__(self, entries: list[tuple[str, str, torch.Tensor]]) -> None:
+        offsets, total = [], 0
+        for _, _, t in entries:
+            offsets.append(total)
+            nbytes = span_elements(t.shape, t.stride()) * t.element_size()
+            total += -(-nbytes // ALIGN) * ALIGN
+        self.size = max(total, ALIGN)
+        self.fd = os.memfd_create("ember-weights", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.size)
+        self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        base = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.specs: list[CacheTensor] = []
+        self.views: dict[str, torch.Tensor] = {}
+        for (name, kind, t), off in zip(entries, offsets):
+            view = strided_view(base, off, t.dtype, list(t.shape), list(t.stride()))
+            view.copy_(t)
+            self.views[name] = view
+            nbytes = span_elements(t.shape, t.stride()) * t.element_size()
+            self.specs.append(
+                CacheTensor(name, kind, list(t.shape), list(t.stride()), dtype_name(t.dtype), off, nbytes)
+            )
+
+
+def export_cuda(entries: list[tuple[str, str, torch.Tensor]]) -> list[CacheTensor]:
+    """CUDA IPC handles for each tensor's storage (fresh handles per call)."""
+    specs = []
+    for name, kind, t in entries:
+        fields = list(t.untyped_storage()._share_cuda_())
+        specs.append(
+            CacheTensor(
+                name,
+                kind,
+                list(t.shape),
+                list(t.stride()),
+                dtype_name(t.dtype),
+                t.storage_offset(),
+                0,
+                fields,
+            )
+        )
+    return specs
+
+
+def import_cpu(fd: int, size: int, specs: list[CacheTensor]) -> tuple[dict[str, torch.Tensor], mmap.mmap]:
+    """Map the arena copy-on-write and view every tensor in it (no copy)."""
+    mm = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+    base = torch.frombuffer(mm, dtype=torch.uint8)
+    out = {s.name: strided_view(base, s.offset, getattr(torch, s.dtype), s.shape, s.stride) for s in specs}
+    return out, mm
+
+
+def import_cuda(specs: list[CacheTensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Open each CUDA IPC handle on this process's device index."""
+    out = {}
+    for s in specs:
+        fields = list(s.ipc)
+        fields[0] = device.index if device.index is not None else torch.cuda.current_device()
+        storage = torch.UntypedStorage._new_shared_cuda(*fields)
+        t = torch.empty((0,), dtype=getattr(torch, s.dtype), device=device)
+        out[s.name] = t.set_(storage, s.offset, s.shape, s.stride)
+    return out
+
+
+def install(
+    model: nn.Module, tensors: dict[str, torch.Tensor], specs: list[CacheTensor], aliases: dict[str, str]
+) -> None:
+    """Put imported tensors into a model built on the meta device (parameters stay frozen)."""
+    objects: dict[str, torch.Tensor] = {}
+    for s in specs:
+        t = tensors[s.name]
+        objects[s.name] = nn.Parameter(t, requires_grad=False) if s.kind == "param" else t
+    kinds = {s.name: s.kind for s in specs}
+    for name, target in [(s.name, s.name) for s in specs] + list(aliases.items()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if kinds[target] == "param":
+            owner._parameters[leaf] = objects[target]  # tied names share one Parameter
+        else:
+            owner._buffers[leaf] = objects[target]
+
+
+def repoint(model: nn.Module, views: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
+    """Make a model use the arena's copies of its tensors (so a daemon holds one copy, not two)."""
+    for name, view in views.items():
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if leaf in owner._parameters:
+            owner._parameters[leaf].data = view
+        else:
+            owner._buffers[leaf] = view

@@ -1,0 +1,57 @@
+"""Framing on a preload daemon's Unix socket: one msgspec message each way, file descriptors alongside.
+
+Runs in preload daemons and engine workers. A message is an 8-byte big-endian length sent with
+`sendmsg` (file descriptors ride on it as SCM_RIGHTS), then the msgpack body. The peer's uid is read
+with SO_PEERCRED: both sides refuse a peer that is not the same user.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+MAX_FDS = 16
+MAX_BODY = 64 * 2**20
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def send_msg(conn: socket.socket, msg: Any, fds: list[int] | None = None) -> None:
+    body = _encoder.encode(msg)
+    socket.send_fds(conn, [struct.pack(">Q", len(body))], fds or [])
+    conn.sendall(body)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = conn.recv(min(n - got, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection mid-message")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv_msg(conn: socket.socket, typ: type) -> tuple[Any, list[int]]:
+    """One message of `typ` and the file descriptors that came with it (the caller closes them)."""
+    head, fds, _, _ = socket.recv_fds(conn, 8, MAX_FDS)
+    if len(head) < 8:
+        head += _recv_exact(conn, 8 - len(head)) if head else b""
+    if len(head) < 8:
+        for fd in fds:
+            os.close(fd)
+        raise ConnectionError("the peer closed the connection before answering")
+    (length,) = struct.unpack(">Q", head)
+    if length > MAX_BODY:
+        raise ConnectionError(f"message of {length} bytes is too large")
+    return msgspec.msgpack.decode(_recv_exact(conn, length), type=typ), fds

@@ -1,0 +1,125 @@
+"""Which processed weights a rank needs: the cache key shared by preload daemons and engines.
+
+Runs in preload daemons and engine workers. The checkpoint's identity is a sha256 over its shard
+names, raw safetensors headers (names, dtypes, shapes, offsets) and a few small samples of the data,
+so it does not read the weights and does not depend on the folder's path. The device identity is the
+GPU UUID on CUDA and the host's machine id plus boot id on CPU (shared memory does not survive a
+reboot). Also here: socket paths and the private socket directory's safety checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import struct
+import tempfile
+from pathlib import Path
+
+from coreproc.config import EngineConfig, engine_version
+from coreproc.protocol import Fingerprint
+
+SAMPLES_PER_SHARD = 16
+SAMPLE_BYTES = 4096
+
+
+def checkpoint_hash(model_dir: str) -> str:
+    """sha256 over sorted shard basenames, each shard's header (length prefix + JSON), and a few
+    evenly spaced 4 KiB samples of its data: headers alone cannot tell two trainings of the same
+    architecture apart, while 64 KiB per shard is no real read of the weights."""
+    h = hashlib.sha256()
+    for path in sorted(Path(model_dir).glob("*.safetensors"), key=lambda p: p.name):
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            (length,) = struct.unpack("<Q", prefix)
+            h.update(path.name.encode() + b"\0" + prefix + f.read(length))
+            data_start, size = 8 + length, os.fstat(f.fileno()).st_size
+            step = max(1, (size - data_start) // SAMPLES_PER_SHARD)
+            for offset in range(data_start, size, step):
+                f.seek(offset)
+                h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def config_hash(model_dir: str) -> str:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg.pop("transformers_version", None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
+def device_index(config: EngineConfig, tp_rank: int) -> int:
+    """The GPU of a rank: DP rank d, TP rank r -> d * tp_size + r (modulo the GPUs present)."""
+    import torch
+
+    placement = config.parallel.data_parallel_rank * config.parallel.tensor_parallel_size + tp_rank
+    return placement % max(1, torch.cuda.device_count())
+
+
+def device_identity(device_type: str, index: int = 0) -> str:
+    """GPU UUID on CUDA; machine id + boot id on the host."""
+    if device_type == "cuda":
+        import torch
+
+        return f"gpu-{torch.cuda.get_device_properties(index).uuid}"
+    parts = []
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            parts.append(Path(path).read_text().strip())
+        except OSError:
+            parts.append("unknown")
+    return "host-" + "-".join(parts)
+
+
+def fingerprint(config: EngineConfig, tp_rank: int, device: str, role: str = "target") -> Fingerprint:
+    """The key of one rank's processed weights under `config` on `device` (see `device_identity`)."""
+    from workers.quant import make_method
+
+    model = config.model
+    return Fingerprint(
+        checkpoint=checkpoint_hash(model.model),
+        architecture=model.architecture,
+        model_config=config_hash(model.model),
+        tp_size=config.parallel.tensor_parallel_size,
+        tp_rank=tp_rank,
+        dp_size=config.parallel.data_parallel_size,
+        dp_rank=config.parallel.data_parallel_rank,
+        dtype=model.dtype,
+        quantization=model.quantization or "none",
+        quant_config=make_method(model.quantization).config_hash(),
+        revision=model.revision or "",
+        engine_version=engine_version(),
+        device=device,
+        role=role,
+    )
+
+
+def differences(a: Fingerprint, b: Fingerprint) -> list[str]:
+    """Names of the fields that differ."""
+    return [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
+
+
+def default_socket_dir() -> Path:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"ember-cache-{os.getuid()}"
+
+
+def socket_path(socket_dir: Path, device: str, dp_rank: int, tp_rank: int, role: str = "target") -> Path:
+    """One socket per (device, DP rank, TP rank, role); short names (Unix socket paths are limited)."""
+    name = device.split("-", 1)[0] + "-" + hashlib.sha256(device.encode()).hexdigest()[:12]
+    suffix = "" if role == "target" else f"-{role}"
+    return socket_dir / f"{name}-dp{dp_rank}-tp{tp_rank}{suffix}.sock"
+
+
+def check_socket_dir(path: Path, create: bool, strict: bool) -> None:
+    """A real directory (not a symlink) owned by us; with `strict`, no group/other access."""
+    if create and not path.exists():
+        path.mkdir(mode=0o700, parents=True)
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{path} is not a real directory")
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{path} is owned by uid {info.st_uid}, not by us ({os.getuid()})")
+    if strict and info.st_mode & 0o077:
+        mode = oct(info.st_mode & 0o777)
+        raise PermissionError(f"{path} is accessible to other users (mode {mode}); want 0700")
