@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,25 @@ POLICIES = ("fcfs", "priority")
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message is one line meant for the user."""
+
+
+def cuda_present() -> bool:
+    """Whether the installed torch was built with CUDA and the host has an NVIDIA device."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    version_file = Path(spec.submodule_search_locations[0]) / "version.py"
+    try:
+        built_with_cuda = re.search(r"^cuda\b.*=\s*['\"]", version_file.read_text(), re.MULTILINE) is not None
+    except OSError:
+        return False
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return built_with_cuda and bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
 def engine_version() -> str:
@@ -229,11 +249,11 @@ class DeviceConfig:
 
     @property
     def resolved(self) -> str:
+        """ "auto" means CUDA when this torch build supports it and an NVIDIA device is present; decided
+        without importing torch, which costs seconds in processes that never compute (frontend, core)."""
         if self.device != "auto":
             return self.device
-        import torch
-
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if cuda_present() else "cpu"
 
     @property
     def resolved_type(self) -> str:

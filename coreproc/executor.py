@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,21 +32,11 @@ from coreproc.protocol import (
     WorkerFailed,
     WorkerReady,
 )
+from coreproc.spawn import spawn_worker
 
 log = logging.getLogger("ember.executor")
 
 POLL_MS = 100
-
-
-def worker_env() -> dict[str, str]:
-    """The environment of worker processes.
-
-    OpenMP threads that spin after each parallel region starve the core and frontend processes on
-    the same cores (a step can take 10x longer); passive waiting is the default unless set otherwise.
-    """
-    env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return env
 
 
 class WorkerError(RuntimeError):
@@ -106,26 +95,15 @@ class MultiprocExecutor:
         self._poller.register(self.sock, zmq.POLLIN)
         self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []  # subprocess.Popen or spawn.ForkedProcess
         self._step = 0
         self._pending = False
         config_json = msgspec.json.encode(config)
         try:
             for rank in range(self.size):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "workers.worker_proc",
-                    "--rank",
-                    str(rank),
-                    "--endpoint",
-                    endpoint,
-                ]
-                cmd += ["--runtime-dir", str(runtime_dir), "--parent-pid", str(os.getpid())]
-                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=worker_env())
-                proc.stdin.write(config_json)
-                proc.stdin.close()
-                self.procs.append(proc)
+                argv = ["--rank", str(rank), "--endpoint", endpoint, "--runtime-dir", str(runtime_dir)]
+                argv += ["--parent-pid", str(os.getpid())]
+                self.procs.append(spawn_worker(config, argv, config_json))
             self.ready = self._wait_ready(ready_timeout)
         except BaseException:
             self.shutdown()

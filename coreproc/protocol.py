@@ -345,6 +345,19 @@ class DaemonReady(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
+class SpawnWorker(msgspec.Struct, kw_only=True):
+    """Core -> zygote: fork a worker process with these arguments (stdout/stderr ride as SCM_RIGHTS)."""
+
+    argv: list[str]
+    config: bytes  # the EngineConfig as JSON
+    env: dict[str, str] = {}
+
+
+class SpawnReply(msgspec.Struct, kw_only=True):
+    pid: int = 0
+    error: str | None = None
+
+
 # ----------------------------------------------------------------------------- framing
 
 # one-byte kind frame -> message type; the high nibble says the direction
@@ -364,6 +377,8 @@ KIND_OF: dict[type, bytes] = {
     DaemonReady: b"\x42",
     CacheRequest: b"\x51",
     CacheReply: b"\x52",
+    SpawnWorker: b"\x53",
+    SpawnReply: b"\x54",
 }
 TYPE_OF: dict[bytes, type] = {kind: t for t, kind in KIND_OF.items()}
 

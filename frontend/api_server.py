@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coreproc.client import AsyncEngineClient, EngineDeadError
-from coreproc.core_proc import engine_version
+from coreproc.config import engine_version
 from frontend.metrics import EngineMetrics
 from frontend.openai_protocol import (
     ChatCompletionRequest,

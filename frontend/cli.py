@@ -194,6 +194,13 @@ def cmd_preload(args: argparse.Namespace) -> int:
     return preload.run(args, config, draft)
 
 
+def cmd_bench_restart(args: argparse.Namespace) -> int:
+    from coreproc.config import EngineConfig
+    from tools import bench_restart
+
+    return bench_restart.run(args, EngineConfig.create(**engine_kwargs(args)))
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from coreproc import batch
 
@@ -258,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_throughput.add_arguments(tput)
     add_engine_args(tput)
     tput.set_defaults(func=cmd_bench_throughput)
+    restart = bench.add_parser(
+        "restart", help="time to ready: cold start from disk vs warm from ember preload"
+    )
+    from tools import bench_restart
+
+    bench_restart.add_arguments(restart)
+    add_engine_args(restart)
+    restart.set_defaults(func=cmd_bench_restart)
 
     mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
     from tools import make_model

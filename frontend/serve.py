@@ -51,8 +51,9 @@ def describe_engine(address: str) -> str:
         info = client.info_cache
     weights = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(info.weight_bytes_by_dtype.items()))
     return (
-        f"ember serve: {info.model} (quantization {info.quantization or 'none'}): weights {weights}; "
-        f"loaded in {info.load_seconds:.2f}s, quantized in {info.quantize_seconds:.2f}s; "
+        f"ember serve: {info.model} (quantization {info.quantization or 'none'}): weights {weights} "
+        f"from {info.weight_source}; loaded in {info.load_seconds:.2f}s, "
+        f"quantized in {info.quantize_seconds:.2f}s; "
         f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens"
     )
 

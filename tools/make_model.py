@@ -13,8 +13,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tools.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
 
 ARCHS: dict[str, tuple[str, str]] = {
@@ -34,7 +32,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "large": (32000, 2048, 16, 32, 8, 8192, 4096, "1GB"),  # 1.10B untied / 1.04B tied: load time
     }.items()
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch is imported only when a model is built
 TIED_BY_DEFAULT = frozenset({"qwen2", "qwen3"})  # small real Qwen models tie their embeddings
 # Realistic, non-10000 thetas so an engine that hard-codes the RoPE base is caught by comparisons.
 ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "mistral": 1000000.0}
@@ -45,12 +43,14 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _perturb_unit_params(model: torch.nn.Module, seed: int) -> None:
+def _perturb_unit_params(model: Any, seed: int) -> None:
     """Give norm weights and biases seeded non-trivial values (HF inits them to ones and zeros).
 
     With all-ones norms and zero biases an engine that forgot the qkv bias or q/k norm would still
     match transformers; small random offsets make such bugs visible in numerical comparisons.
     """
+    import torch
+
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -180,10 +180,12 @@ def build_checkpoint(
         rope_parameters=rope_parameters,
         sliding_window=sliding_window,
     )
+    import torch
+
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHS[arch][1])(config)
     _perturb_unit_params(model, seed)
-    model = model.to(DTYPES[dtype]).eval()
+    model = model.to(getattr(torch, dtype)).eval()
     n_params = sum(t.numel() for t in model.parameters())  # tied weights are counted once
     print(f"{arch}/{size}: {n_params:,} parameters ({n_params / 1e6:.1f}M), dtype {dtype}, tied={tie}")
 

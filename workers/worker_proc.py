@@ -67,6 +67,11 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     sock.setsockopt(zmq.LINGER, 2000)
     sock.connect(endpoint)
     codec = Codec(TO_WORKER)
+    # watch the core by pidfd: a worker forked by the zygote is not the core's child
+    core = os.pidfd_open(parent_pid)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(core, zmq.POLLIN)
     code = 0
     try:
         from workers.worker import Worker
@@ -83,10 +88,11 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
         sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
         empty = RunnerOutput()
         while True:
-            if not sock.poll(PARENT_CHECK_MS):
-                if os.getppid() != parent_pid:
-                    log.warning("rank %d: the core process is gone; exiting", rank)
-                    break
+            events = dict(poller.poll(PARENT_CHECK_MS))
+            if core in events:
+                log.warning("rank %d: the core process is gone; exiting", rank)
+                break
+            if sock not in events:
                 continue
             msg = codec.decode(sock.recv_multipart())
             if isinstance(msg, Shutdown):
@@ -104,14 +110,15 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, config_json: bytes | None = None) -> None:
+    """Entry point of `python -m workers.worker_proc` (config on stdin) and of zygote-forked workers."""
     parser = argparse.ArgumentParser(prog="python -m workers.worker_proc")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--runtime-dir", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
     args = parser.parse_args(argv)
-    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    config = msgspec.json.decode(config_json or sys.stdin.buffer.read(), type=EngineConfig)
     run_worker(config, args.rank, args.endpoint, args.runtime_dir, args.parent_pid)
 
 

@@ -104,8 +104,11 @@ def wait_for(places: list[Placement], timeout: float) -> int:
 class Launcher:
     """Starts the daemons, tracks their state, stops them."""
 
-    def __init__(self, places: list[Placement]) -> None:
+    def __init__(self, places: list[Placement], directory: Path) -> None:
         self.places = places
+        self.directory = directory
+        self.zygote: subprocess.Popen | None = None
+        self.zygote_dead = False
         self.runtime = make_runtime_dir()
         self.ctx = zmq.Context()
         self.pull = self.ctx.socket(zmq.PULL)
@@ -116,6 +119,8 @@ class Launcher:
     def start(self, timeout: float) -> None:
         env = dict(os.environ)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        zygote = [sys.executable, "-m", "workers.weight_cache.zygote", "--socket-dir", str(self.directory)]
+        self.zygote = subprocess.Popen(zygote, stdout=subprocess.PIPE, text=True, env=env)
         for p in self.places:
             cmd = [sys.executable, "-m", "workers.weight_cache.daemon", "--role", p.role]
             cmd += ["--tp-rank", str(p.tp_rank), "--socket", str(p.socket), "--ready-endpoint", self.endpoint]
@@ -140,8 +145,15 @@ class Launcher:
             for p in self.places:
                 if p.state == "starting" and p.proc.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with code {p.proc.returncode} while starting")
+        line = self.zygote.stdout.readline().strip()
+        if line != "ember zygote: ready":
+            raise RuntimeError(f"the worker zygote failed to start: {line or self.zygote.wait()}")
 
     def check(self) -> None:
+        if self.zygote is not None and self.zygote.poll() is not None and not self.zygote_dead:
+            self.zygote_dead = True
+            code = self.zygote.returncode
+            print(f"ember preload: the worker zygote died (exit code {code})", file=sys.stderr)
         for p in self.places:
             if p.state != "dead" and p.proc is not None and p.proc.poll() is not None:
                 p.state = "dead"
@@ -150,18 +162,21 @@ class Launcher:
     def health(self) -> tuple[int, dict]:
         self.check()
         bad = {p.name: p.state for p in self.places if p.state != "ready"}
+        if self.zygote is None or self.zygote.poll() is not None:
+            bad["zygote"] = "dead"
         return (503, {"status": "unhealthy", "ranks": bad}) if bad else (200, {"status": "ok"})
 
     def stop(self) -> None:
-        for p in self.places:
-            if p.proc is not None and p.proc.poll() is None:
-                p.proc.terminate()
-        for p in self.places:
-            if p.proc is not None:
+        procs = [p.proc for p in self.places] + [self.zygote]
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            if proc is not None:
                 try:
-                    p.proc.wait(10)
+                    proc.wait(10)
                 except subprocess.TimeoutExpired:
-                    p.proc.kill()
+                    proc.kill()
         self.pull.close()
         self.ctx.term()
         remove_runtime_dir(self.runtime)
@@ -189,11 +204,12 @@ def run(args: argparse.Namespace, config: EngineConfig, draft: EngineConfig | No
         raise ValueError(
             "ember preload does not support pipeline parallelism (--pipeline-parallel-size must be 1)"
         )
-    places = placements(config, draft, socket_dir(args))
+    directory = socket_dir(args)
+    places = placements(config, draft, directory)
     if args.wait:
         return wait_for(places, args.timeout)
     setproctitle("ember-preload")
-    launcher = Launcher(places)
+    launcher = Launcher(places, directory)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
