@@ -76,14 +76,18 @@ def _zygote(config: EngineConfig) -> Path | None:
 
 
 def _fork_from(path: Path, argv: list[str], config_json: bytes) -> ForkedProcess:
-    from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
+    from workers.weight_cache.channel import peer_creds, recv_msg, send_msg
 
     env = {k: v for k, v in worker_env().items() if k.startswith(ENV_PREFIXES)}
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.settimeout(10)
         conn.connect(str(path))
-        if peer_uid(conn) != os.getuid():
+        pid, uid, _ = peer_creds(conn)
+        if uid != os.getuid():
             raise PermissionError(f"{path} is served by another user")
+        # a forked worker sees the zygote's files: it must be able to reach our runtime directory
+        if os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"):
+            raise OSError("the zygote runs in another mount namespace (another container)")
         send_msg(
             conn,
             SpawnWorker(argv=argv, config=config_json, env=env),

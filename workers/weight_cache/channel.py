@@ -20,9 +20,14 @@ MAX_BODY = 64 * 2**20
 _encoder = msgspec.msgpack.Encoder()
 
 
-def peer_uid(conn: socket.socket) -> int:
+def peer_creds(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return struct.unpack("3i", creds)
+
+
+def peer_uid(conn: socket.socket) -> int:
+    return peer_creds(conn)[1]
 
 
 def send_msg(conn: socket.socket, msg: Any, fds: list[int] | None = None) -> None:
