@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import IO, Any
 import msgspec
 
 from coreproc.outputs import RequestOutput
+from coreproc.protocol import QueueFull
 from frontend import openai_protocol as oai
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from frontend.render import Prompt, render_prompts, response_body
@@ -201,6 +203,7 @@ class BatchRunner:
         self.jobs: dict[str, Job] = {}  # by sub-request id
         self.seen: set[str] = set()  # custom_ids of the lines read so far
         self.in_flight = 0
+        self.deferred: deque[BatchItem] = deque()  # refused by the queue limit, to submit again
         self.num_ok = self.num_errors = self.num_skipped = self.tokens = 0
         self._next = 0
 
@@ -224,7 +227,7 @@ class BatchRunner:
 
     def count_unfinished(self, rest: Iterator[tuple[int, bytes]]) -> int:
         """Requests in flight plus the unread lines that a rerun would still have to answer."""
-        n = self.in_flight
+        n = self.in_flight + len(self.deferred)
         for line_no, raw in rest:
             try:
                 n += parse_line(line_no, raw, self.seen).custom_id not in self.done.custom_ids
@@ -247,6 +250,7 @@ class BatchRunner:
         except ValueError as e:  # RequestError, InvalidParam, tokenizer errors
             return self._reject(item, e)
         job = Job(item, req, [], int(time.time()))
+        group = (f"job{self._next}", sum(sp.n for sp in params))  # the whole line passes the queue limits
         try:
             for (text, ids), sp in zip(prompts, params):
                 rid = f"b{self._next}"
@@ -260,15 +264,32 @@ class BatchRunner:
                     eos_token_ids=self.eos_ids,
                     priority=req.priority,
                     cache_salt=req.cache_salt,
+                    group=group,
                 )
                 job.rids.append(rid)
-        except ValueError as e:  # InvalidParam from the scheduler
+        except (ValueError, QueueFull) as e:  # InvalidParam, or the engine's queue limit
             for rid in job.rids:
                 self.processor.withdraw(self.engine, rid)
+            if isinstance(e, QueueFull):
+                self.deferred.append(item)  # submitted again once the queue drains
+                return
             return self._reject(item, e)
         for rid in job.rids:
             self.jobs[rid] = job
         self.in_flight += 1
+
+    def retry_deferred(self) -> int:
+        """Submit requests the queue limit held back, in order, until it refuses again; returns how
+        many records that settled (refusals)."""
+        before = self.num_errors
+        while self.deferred:
+            item = self.deferred.popleft()
+            waiting = len(self.deferred)
+            self.submit(item)
+            if len(self.deferred) > waiting:  # refused again: it went to the back; restore order
+                self.deferred.rotate(1)
+                break
+        return self.num_errors - before
 
     def _reject(self, item: BatchItem, e: Exception) -> None:
         err = e if isinstance(e, RequestError) else RequestError(str(e), getattr(e, "param", None))
@@ -325,12 +346,13 @@ def drive(runner: BatchRunner, lines: Iterator[tuple[int, bytes]], max_in_flight
     start = time.perf_counter()
     exhausted = False
     while True:
-        while not exhausted and runner.in_flight < max_in_flight:
+        bar.update(runner.retry_deferred())
+        while not exhausted and not runner.deferred and runner.in_flight < max_in_flight:
             nxt = next(lines, None)
             exhausted = nxt is None
             if nxt is not None:
                 bar.update(runner.take(*nxt))
-        if exhausted and runner.in_flight == 0:
+        if exhausted and runner.in_flight == 0 and not runner.deferred:
             return
         finished = runner.step()
         if finished:

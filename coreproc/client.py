@@ -44,10 +44,25 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineRequestError(RuntimeError):
-    """The engine refused or failed one request; the message says why."""
+    """The engine refused or failed one request; the message says why, `code` what kind of failure
+    ("invalid_request", "overloaded", "unavailable", or None for a failure while running)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 HEARTBEAT_S = 1.0
+
+
+def _settle(fut: asyncio.Future | None, error: BaseException | None = None) -> None:
+    if fut is None or fut.done():
+        return
+    if error is None:
+        fut.set_result(True)
+    else:
+        fut.set_exception(error)
+
 
 _FATAL_EVENTS = {
     zmq.EVENT_DISCONNECTED: "connection to the engine lost",
@@ -178,7 +193,7 @@ class AsyncEngineClient:
     async def stats(self) -> dict:
         return await self.call("stats")
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self) -> int:
         return await self.call("reset_prefix_cache")
 
     async def generate(
@@ -190,8 +205,14 @@ class AsyncEngineClient:
         priority: int = 0,
         cache_salt: str | None = None,
         eos_token_ids: list[int] | None = None,
+        admitted: asyncio.Future | None = None,
+        group: tuple[str, int] | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Submit one request and stream its outputs; the last one has `finished` set."""
+        """Submit one request and stream its outputs; the last one has `finished` set.
+
+        `admitted`, if given, resolves when the engine accepts the request (or fails with the
+        refusal), before any token: servers use it to answer refusals with a status code. `group`
+        (id, size) makes the sequences of one API request pass the engine's queue limits together."""
         rid = request_id or uuid.uuid4().hex
         stream: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = stream
@@ -206,17 +227,25 @@ class AsyncEngineClient:
                     arrival_time=time.time(),
                     priority=priority,
                     cache_salt=cache_salt,
+                    group=group[0] if group else None,
+                    group_size=group[1] if group else 1,
                 )
             )
             while True:
                 item = await stream.get()
                 if isinstance(item, Exception):
                     done = True
+                    _settle(admitted, item)
                     raise item
                 if item.finish_reason == "error":
                     done = True
-                    raise EngineRequestError(item.error or "request failed")
+                    error = EngineRequestError(item.error or "request failed", item.error_code)
+                    _settle(admitted, error)
+                    raise error
+                _settle(admitted)
                 done = item.finished
+                if not (done or item.new_token_ids or item.new_prompt_logprobs):
+                    continue  # the admission acknowledgement
                 yield item
                 if done:
                     return
@@ -273,7 +302,7 @@ class EngineClient:
     def stats(self) -> dict:
         return self._run(self._client.stats())
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self) -> int:
         return self._run(self._client.reset_prefix_cache())
 
     def abort(self, request_id: str) -> None:

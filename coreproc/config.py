@@ -190,16 +190,40 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous-batching limits and policy."""
 
-    max_num_seqs: int = 256
+    max_num_seqs: int = 256  # sizes per-step buffers
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
     async_scheduling: bool = True  # multiprocess engines schedule step N+1 while step N runs
+    max_num_active_seqs: int | None = None  # cap on RUNNING requests (None: max_num_seqs)
+    # a prefill longer than this is "long": while other prefills wait it gets a fair share of the
+    # step budget, floor(budget / prefills), instead of all of it (0: never share)
+    long_prefill_token_threshold: int = 0
+    max_num_queued_requests: int | None = None  # new requests beyond this are refused (HTTP 503)
+    max_num_queued_tokens: int | None = None  # ... and beyond this many queued prompt tokens
+    stall_timeout: float = 60.0  # work held but no step completed for this long: unhealthy
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
+        active = self.max_num_active_seqs
+        if active is not None and not 1 <= active <= self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_active_seqs must be in [1, max_num_seqs={self.max_num_seqs}], got {active}"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0")
+        for name in ("max_num_queued_requests", "max_num_queued_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if self.stall_timeout <= 0:
+            raise ConfigError("stall_timeout must be positive")
+
+    @property
+    def max_running(self) -> int:
+        return self.max_num_active_seqs or self.max_num_seqs
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
@@ -284,6 +308,11 @@ class EngineConfig:
         max_num_batched_tokens: int | None = None,
         scheduling_policy: str = "fcfs",
         async_scheduling: bool = True,
+        max_num_active_seqs: int | None = None,
+        long_prefill_token_threshold: int | None = None,
+        max_num_queued_requests: int | None = None,
+        max_num_queued_tokens: int | None = None,
+        stall_timeout: float = 60.0,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory: int | None = None,
@@ -313,6 +342,8 @@ class EngineConfig:
         )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))
+        if long_prefill_token_threshold is None:  # default: 4% of the context, at least one block
+            long_prefill_token_threshold = max(block_size, model_cfg.max_model_len // 25)
         return cls(
             model=model_cfg,
             cache=CacheConfig(
@@ -328,6 +359,11 @@ class EngineConfig:
                 max_num_batched_tokens=max_num_batched_tokens,
                 policy=scheduling_policy,
                 async_scheduling=async_scheduling,
+                max_num_active_seqs=max_num_active_seqs,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+                max_num_queued_requests=max_num_queued_requests,
+                max_num_queued_tokens=max_num_queued_tokens,
+                stall_timeout=stall_timeout,
             ),
             parallel=ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size,

@@ -1,9 +1,11 @@
 """The scheduler process (`ember-core`): serves clients over ZeroMQ and drives the workers.
 
 Clients (the SDK, the HTTP frontend) connect DEALER sockets to this process's ROUTER and send
-`EngineRequest` / `AbortRequests` / `UtilityCall`; each gets `OutputBatch`es for its own requests,
-`UtilityResult`s, and `EngineDead` if the engine fails. Each loop turn: drain client messages (block
-only when idle), run one overlapped engine step, route outputs. A dead worker fails every request at
+`EngineRequest` / `AbortRequests` / `UtilityCall`; each gets `OutputBatch`es for its own requests
+(the first output of an admitted request is an empty acknowledgement; a refused request gets one
+finished output with an `error_code`), `UtilityResult`s, and `EngineDead` if the engine fails.
+Each loop turn: drain client messages (block only when idle), run one overlapped engine step, route
+outputs. A dead worker fails every request at
 once and ends the process non-zero; SIGTERM/SIGINT stop admission, let running requests finish within
 a grace period, abort the rest, and exit 0.
 """
@@ -33,6 +35,7 @@ from coreproc.protocol import (
     EngineRequest,
     InvalidParam,
     OutputBatch,
+    QueueFull,
     UtilityCall,
     UtilityResult,
 )
@@ -76,11 +79,12 @@ class CoreServer:
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.codec = Codec(TO_CORE)
         executor = MultiprocExecutor(config, runtime_dir)
-        executor.serve_while_waiting(self.sock, lambda: self._drain(0))
+        executor.serve_while_waiting(self.sock, lambda: self._drain(0), lambda: self.engine.check_stall())
         self.engine = EngineCore(config, executor)
         overlapped = config.scheduler.async_scheduling
         self._step = self.engine.step_overlapped if overlapped else self.engine.step
         self.owner: dict[str, bytes] = {}  # request id -> client identity
+        self._admitted: list[EngineOutput] = []  # acknowledgements to send after this drain
         self.last_seen: dict[bytes, float] = {}  # client identity -> last message time
         self.client_timeout = client_timeout
         self._last_reap = time.monotonic()
@@ -153,22 +157,24 @@ class CoreServer:
             del self.last_seen[c]
 
     def _add(self, identity: bytes, req: EngineRequest) -> None:
-        def reject(reason: str) -> None:
-            self._send(
-                identity, OutputBatch([EngineOutput(req.request_id, finish_reason="error", error=reason)])
-            )
+        def reject(reason: str, code: str) -> None:
+            out = EngineOutput(req.request_id, finish_reason="error", error=reason, error_code=code)
+            self._send(identity, OutputBatch([out]))
 
         if self.stopping_since is not None:
-            return reject("the engine is shutting down")
+            return reject("the engine is shutting down", "unavailable")
         if req.request_id in self.owner:
-            return reject(f"request id {req.request_id!r} is already in use")
+            return reject(f"request id {req.request_id!r} is already in use", "invalid_request")
         if not req.eos_token_ids:
             req.eos_token_ids = self.eos_ids
         try:
             self.engine.add_request(req)
         except InvalidParam as e:
-            return reject(f"invalid {e.param or 'request'}: {e}")
+            return reject(f"invalid {e.param or 'request'}: {e}", "invalid_request")
+        except QueueFull as e:
+            return reject(str(e), "overloaded")
         self.owner[req.request_id] = identity
+        self._admitted.append(EngineOutput(req.request_id))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         try:
@@ -183,7 +189,8 @@ class CoreServer:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
     def _drain(self, timeout_ms: int) -> None:
-        """Handle every waiting client message; wait up to `timeout_ms` for the first."""
+        """Handle every waiting client message; wait up to `timeout_ms` for the first. Requests
+        admitted meanwhile are acknowledged in one batch per client."""
         while self.sock.poll(timeout_ms):
             timeout_ms = 0
             identity, *frames = self.sock.recv_multipart()
@@ -193,6 +200,9 @@ class CoreServer:
                 log.warning("ignoring a malformed client message: %s", e)
                 continue
             self._handle(identity, msg)
+        if self._admitted:
+            acks, self._admitted = self._admitted, []
+            self._route(acks)
 
     # ------------------------------------------------------------------ main loop
 
@@ -221,6 +231,7 @@ class CoreServer:
                         log.warning("grace period over: aborting %d requests", len(self.owner))
                         self._route(self.engine.abort_requests(list(self.owner)))
                 if self.engine.has_unfinished_requests():
+                    self.engine.check_stall()
                     self._route(self._step())
                 else:
                     self.engine.executor.check_alive()

@@ -5,10 +5,14 @@ Runs in the scheduler process (or in-process under the offline `LLM` and batch m
 `step_overlapped()` keeps one step in flight: it schedules step N+1 while the workers run step N
 (tokens being sampled are held as placeholders), which hides the scheduler's work behind the model's.
 The KV block count comes from the workers' `WorkerReady` messages, never from the config.
+Never stuck: steps that schedule nothing while work is queued fail that work, and `check_stall()`
+(the watchdog, called from the core loop, while waiting on workers and by `stats()`) reports work held
+with no step completed for `stall_timeout` seconds, logging the scheduler state once per stall.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from pathlib import Path
@@ -47,9 +51,13 @@ class EngineCore:
         self._idle_steps = 0
         self._in_flight: SchedulerOutput | None = None
         self.last_step_end = time.monotonic()
+        self._stall_reported = False
 
     def add_request(self, request: EngineRequest) -> None:
+        idle = not self.has_unfinished_requests()
         self.scheduler.add_request(request)
+        if idle:  # the stall clock starts when work arrives, not at the last step of an idle engine
+            self.last_step_end = time.monotonic()
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         return self.scheduler.abort_requests(request_ids)
@@ -94,14 +102,29 @@ class EngineCore:
             self._idle_steps = 0
         return outputs
 
+    def check_stall(self) -> str | None:
+        """The watchdog: why the engine is stuck (work held, no step done for `stall_timeout`), or None."""
+        timeout = self.config.scheduler.stall_timeout
+        idle = time.monotonic() - self.last_step_end
+        if not self.has_unfinished_requests() or idle <= timeout:
+            self._stall_reported = False
+            return None
+        reason = f"the engine holds work but has not completed a step for {idle:.0f}s (limit {timeout:g}s)"
+        if not self._stall_reported:
+            self._stall_reported = True
+            log.error("%s; scheduler state: %s", reason, json.dumps(self.scheduler.describe()))
+        return reason
+
     def stats(self) -> dict:
-        """Scheduler counters plus progress: how long since a step finished, and whether work waits."""
+        """Scheduler counters plus progress: how long since a step finished, whether work waits, and
+        the watchdog's verdict (`stalled`: a reason, or None)."""
         stats = self.scheduler.stats()
         stats["has_work"] = self.has_unfinished_requests()
         stats["seconds_since_step"] = time.monotonic() - self.last_step_end
+        stats["stalled"] = self.check_stall()
         return stats
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self) -> int:
         return self.scheduler.kv.reset_prefix_cache()
 
     def _remove_runtime_dir(self) -> None:

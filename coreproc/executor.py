@@ -94,6 +94,7 @@ class MultiprocExecutor:
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
         self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
+        self._tick: Callable[[], object] | None = None
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
         self.procs: list = []  # subprocess.Popen or spawn.ForkedProcess
         self._step = 0
@@ -120,11 +121,15 @@ class MultiprocExecutor:
                 ready[msg.rank] = msg
         return [ready[r] for r in range(self.size)]
 
-    def serve_while_waiting(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
+    def serve_while_waiting(
+        self, sock: zmq.Socket, handler: Callable[[], None], tick: Callable[[], object] | None = None
+    ) -> None:
         """While a step runs, call `handler` whenever `sock` has input (the core's client socket),
-        so clients are answered (stats, aborts, new requests) even during a long step."""
+        so clients are answered (stats, aborts, new requests) even during a long step, and `tick`
+        (the stall watchdog) at every poll interval."""
         self._poller.register(sock, zmq.POLLIN)
         self._side = (sock, handler)
+        self._tick = tick
 
     def _recv(self, timeout_ms: int) -> object | None:
         """One message from any worker, or None; raises WorkerError on failure or death."""
@@ -160,6 +165,8 @@ class MultiprocExecutor:
         result = RunnerOutput()
         while len(done) < self.size:
             msg = self._recv(POLL_MS)
+            if msg is None and self._tick is not None:
+                self._tick()
             if isinstance(msg, StepResult) and msg.step_id == self._step:
                 done.add(msg.rank)
                 if msg.rank == 0:

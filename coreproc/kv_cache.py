@@ -3,8 +3,10 @@
 Runs in the scheduler process. `BlockPool` holds reference-counted blocks, a free queue that is also
 the LRU eviction order, and a map from block hash to cached block. `KVCacheManager` gives requests
 blocks (`allocate_slots`), finds prefix-cache hits (`get_computed_blocks`) and frees them. A block's
-hash chains (parent hash, the block's token ids, source-tagged extra keys such as
-("cache_salt", salt) on the first block) through sha256 over a canonical msgpack encoding.
+hash chains (parent hash, the block's token ids, source-tagged extra keys) through sha256 over a
+canonical msgpack encoding, seeded per launch (or by `prefix_hash_seed`). Every extra key names its
+source — ("cache_salt", salt) on the first block, ("lora", name, identity) and ("mm", hash, offset) on
+the blocks they touch — so equal values from different sources never produce equal keys.
 """
 
 from __future__ import annotations
@@ -26,11 +28,18 @@ def hash_block(parent: bytes, token_ids: Iterable[int], extra_keys: tuple | None
     return hashlib.sha256(_encode((parent, list(token_ids), extra_keys))).digest()
 
 
-def block_extra_keys(request: Request, block_index: int) -> tuple | None:
-    """Source-tagged keys that change what a block's KV means (only the salt so far)."""
+def block_extra_keys(request: Request, block_index: int, block_size: int) -> tuple | None:
+    """Source-tagged keys that change what a block's KV means, beyond its token ids."""
+    keys: list[tuple] = []
     if block_index == 0 and request.cache_salt is not None:
-        return (("cache_salt", request.cache_salt),)
-    return None
+        keys.append(("cache_salt", request.cache_salt))
+    if request.lora is not None:
+        keys.append(("lora", request.lora.name, request.lora.identity))
+    start, end = block_index * block_size, (block_index + 1) * block_size
+    for item in request.mm_refs:  # where each item touching this block starts, relative to it
+        if item.offset < end and item.offset + item.length > start:
+            keys.append(("mm", item.content_hash, item.offset - start))
+    return tuple(keys) or None
 
 
 class Block:
@@ -91,14 +100,14 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
 
-    def reset_cache(self) -> bool:
-        """Forget every cached hash; only possible when no block is in use."""
-        if len(self.free) != len(self.blocks):
-            return False
+    def reset_cache(self) -> int:
+        """Forget every cached hash (blocks in use keep their contents but can no longer be hit);
+        returns how many cached blocks were dropped."""
+        dropped = len(self.cached)
         for block in self.blocks:
             block.block_hash = None
         self.cached.clear()
-        return True
+        return dropped
 
 
 class KVCacheManager:
@@ -132,7 +141,8 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else self.root_hash
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], block_extra_keys(request, i)))
+            keys = block_extra_keys(request, i, bs)
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs], keys))
         return hashes
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
@@ -186,5 +196,9 @@ class KVCacheManager:
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request.request_id, [])]
 
-    def reset_prefix_cache(self) -> bool:
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()

@@ -8,6 +8,7 @@ model bundled with Ember.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from tqdm import tqdm
 from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import InvalidParam, SamplingParams
+from coreproc.protocol import InvalidParam, QueueFull, SamplingParams
 from frontend.output_processor import OutputProcessor, SequenceDelta
 from frontend.tokenizer import eos_token_ids, load_tokenizer
 
@@ -42,6 +43,7 @@ class LLM:
         self.engine = EngineCore(self.config, show_progress=show_progress)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self._backlog: collections.deque = collections.deque()  # held back by the engine's queue limit
 
     def close(self) -> None:
         """Stop worker processes (tensor parallelism) and free the engine."""
@@ -98,29 +100,36 @@ class LLM:
                 raise InvalidParam("need one SamplingParams per prompt (or a single one)", "sampling_params")
         for params in params_list:
             params.validate()
-        submitted: list[str] = []
+        rids = []
+        for i, ((text, ids), params) in enumerate(zip(items, params_list)):
+            rid = str(next(self._ids))
+            self._backlog.append((rid, text, ids, params, priority[i] if priority else 0))
+            rids.append(rid)
         try:
-            for i, ((text, ids), params) in enumerate(zip(items, params_list)):
-                rid = str(next(self._ids))
-                self.processor.submit(
-                    self.engine,
-                    rid,
-                    text,
-                    ids,
-                    params,
-                    eos_token_ids=self.eos_token_ids,
-                    priority=priority[i] if priority else 0,
-                )
-                submitted.append(rid)
+            self._feed()
         except Exception:
-            for rid in submitted:
+            self._backlog.clear()
+            for rid in rids:
                 self.processor.withdraw(self.engine, rid)
             raise
-        return submitted
+        return rids
+
+    def _feed(self) -> None:
+        """Submit held-back prompts until the engine's queue limit (`max_num_queued_*`) is reached."""
+        while self._backlog:
+            rid, text, ids, params, prio = self._backlog[0]
+            try:
+                self.processor.submit(
+                    self.engine, rid, text, ids, params, eos_token_ids=self.eos_token_ids, priority=prio
+                )
+            except QueueFull:
+                return
+            self._backlog.popleft()
 
     # ------------------------------------------------------------------ generation
 
     def _step(self) -> list[SequenceDelta]:
+        self._feed()
         deltas, to_abort = self.processor.process(self.engine.step())
         if to_abort:
             self.engine.abort_requests(to_abort)
@@ -138,13 +147,19 @@ class LLM:
         ids = self._submit(prompts, sampling_params, priority)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
-            while len(results) < len(ids):
-                for delta in self._step():
-                    if delta.finish_reason is not None and delta.request_id not in results:
-                        done = self.processor.pop_finished(delta.request_id)
-                        if done is not None:
-                            results[delta.request_id] = done
-                            bar.update(1)
+            try:
+                while len(results) < len(ids):
+                    for delta in self._step():
+                        if delta.finish_reason is not None and delta.request_id not in results:
+                            done = self.processor.pop_finished(delta.request_id)
+                            if done is not None:
+                                results[delta.request_id] = done
+                                bar.update(1)
+            except BaseException:  # e.g. a held-back prompt the engine refuses: leave nothing behind
+                self._backlog.clear()
+                for rid in ids:
+                    self.processor.withdraw(self.engine, rid)
+                raise
         return [results[i] for i in ids]
 
     def stream(

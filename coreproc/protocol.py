@@ -24,6 +24,10 @@ class InvalidParam(ValueError):
         self.param = param
 
 
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at its limit (`--max-num-queued-*`); retry later (HTTP 503)."""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to sample one request. Defaults follow vLLM: temperature 1.0, max_tokens 16."""
 
@@ -94,6 +98,21 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 # ----------------------------------------------------------------------------- frontend -> core
 
 
+class LoRARef(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter a request runs with: its name and its identity (path or content digest)."""
+
+    name: str
+    identity: str
+
+
+class MultiModalRef(msgspec.Struct, array_like=True, frozen=True):
+    """One multimodal item in a prompt: its content hash and the token span it occupies."""
+
+    content_hash: str
+    offset: int
+    length: int
+
+
 class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     """One request as the core sees it: token ids already rendered by the frontend."""
 
@@ -104,6 +123,11 @@ class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora: LoRARef | None = None
+    mm_refs: list[MultiModalRef] = []
+    # sequences of one API request (n > 1, several prompts) pass the queue limits as one unit
+    group: str | None = None
+    group_size: int = 1
 
 
 # ----------------------------------------------------------------------------- core -> workers
@@ -196,6 +220,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None  # "invalid_request" | "overloaded" | "unavailable" (HTTP 400/503)
 
     @property
     def finished(self) -> bool:

@@ -49,6 +49,8 @@ class Request:
         self.arrival_seq = arrival_seq
         self.priority = req.priority
         self.cache_salt = req.cache_salt
+        self.lora = req.lora
+        self.mm_refs = req.mm_refs
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed_tokens = 0

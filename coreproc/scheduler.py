@@ -2,14 +2,19 @@
 
 Runs in the scheduler process (coreproc); pure CPU, no tensors. There are no prefill or decode phases:
 each step gives every request enough tokens for its computed count to catch up with its token count,
-under a token budget, running requests first, then waiting ones (FCFS or priority). When blocks run out
-a running request is preempted by recompute (all its blocks freed, queued again at the front).
+under a token budget, running requests first, then waiting ones (FCFS or priority), at most
+`max_num_active_seqs` running. While several prefills wait, a long one (over
+`long_prefill_token_threshold`) gets a fair share of the budget, floor(budget / prefills); a lone one
+gets all of it. When blocks run out a running request is preempted by recompute (all its blocks freed,
+queued again at the front), so a waiting request never holds blocks and none waits behind a request
+that holds none. New requests beyond `max_num_queued_*` raise `QueueFull`.
 `update_from_output` appends sampled tokens, applies stop conditions and frees finished requests.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
@@ -19,10 +24,14 @@ from coreproc.protocol import (
     EngineRequest,
     InvalidParam,
     NewRequestData,
+    QueueFull,
     RunnerOutput,
     SchedulerOutput,
 )
 from coreproc.request import Request, RequestStatus
+
+MAX_OPEN_GROUPS = 4096
+MAX_GROUP_SIZE = 1024
 
 
 class WaitingQueue:
@@ -31,6 +40,8 @@ class WaitingQueue:
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self._items: list[tuple[tuple, Request]] = []
+        self._tokens: dict[str, int] = {}  # tokens each queued request will compute
+        self.num_tokens = 0
 
     def _key(self, req: Request) -> tuple:
         if self.policy == "priority":
@@ -39,15 +50,20 @@ class WaitingQueue:
 
     def add(self, req: Request) -> None:
         bisect.insort(self._items, (self._key(req), req), key=lambda item: item[0])
+        self._tokens[req.request_id] = req.num_tokens
+        self.num_tokens += req.num_tokens
 
     def peek(self) -> Request:
         return self._items[0][1]
 
     def pop(self) -> Request:
-        return self._items.pop(0)[1]
+        req = self._items.pop(0)[1]
+        self.num_tokens -= self._tokens.pop(req.request_id)
+        return req
 
     def remove(self, req: Request) -> None:
         self._items.remove((self._key(req), req))
+        self.num_tokens -= self._tokens.pop(req.request_id)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -63,9 +79,11 @@ class Scheduler:
         self.config = config
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
-        self.max_num_seqs = config.scheduler.max_num_seqs
-        self.token_budget = config.scheduler.max_num_batched_tokens
-        self.policy = config.scheduler.policy
+        sc = config.scheduler
+        self.max_running = sc.max_running
+        self.token_budget = sc.max_num_batched_tokens
+        self.long_prefill = sc.long_prefill_token_threshold
+        self.policy = sc.policy
         self.kv = KVCacheManager(
             num_kv_blocks,
             config.cache.block_size,
@@ -76,6 +94,7 @@ class Scheduler:
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self._forget: list[str] = []  # requests workers must drop at the next step
+        self._groups: OrderedDict[str, int] = OrderedDict()  # admitted groups -> members still to come
         self._arrivals = 0
         self.num_steps = 0
         self.num_preemptions = 0
@@ -96,10 +115,49 @@ class Scheduler:
         if any(t < 0 or t >= self.vocab_size for t in er.prompt_token_ids):
             raise InvalidParam(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         er.sampling_params.validate()
+        if er.lora is not None:
+            name = er.lora.name
+            raise InvalidParam(f"LoRA adapter {name!r}: no adapters are loaded in this engine", "lora")
+        if er.mm_refs:
+            raise InvalidParam("this engine's model takes no multimodal input", "messages")
+        self._admit_group(er)
         req = Request(er, self._arrivals)
         self._arrivals += 1
         self.requests[req.request_id] = req
         self.waiting.add(req)
+
+    def _admit_group(self, er: EngineRequest) -> None:
+        """Queue limits apply to a whole group (all sequences of one API request) at its first member."""
+        if er.group is not None and er.group in self._groups:
+            self._groups[er.group] -= 1
+            if self._groups[er.group] <= 0:
+                del self._groups[er.group]
+            return
+        size = er.group_size
+        if not 1 <= size <= MAX_GROUP_SIZE:
+            raise InvalidParam(f"group_size must be in [1, {MAX_GROUP_SIZE}]", "group_size")
+        self._check_queue(len(er.prompt_token_ids) * size, size)
+        if er.group is not None and size > 1:
+            self._groups[er.group] = size - 1
+            while len(self._groups) > MAX_OPEN_GROUPS:  # members that never came (a failed submit)
+                self._groups.popitem(last=False)
+
+    def _check_queue(self, num_tokens: int, num_requests: int = 1) -> None:
+        """Refuse new work when the waiting queue is at a limit (an empty queue always takes one)."""
+        sc = self.config.scheduler
+        if not self.waiting:
+            return
+        if (
+            sc.max_num_queued_requests is not None
+            and len(self.waiting) + num_requests > sc.max_num_queued_requests
+        ):
+            raise QueueFull(f"the engine's queue is full ({len(self.waiting)} requests waiting); retry later")
+        limit = sc.max_num_queued_tokens
+        if limit is not None and self.waiting.num_tokens + num_tokens > limit:
+            raise QueueFull(
+                f"the engine's queue is full ({self.waiting.num_tokens} prompt tokens waiting, "
+                f"limit {limit}); retry later"
+            )
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort at once: blocks freed, workers told to forget; unknown ids are ignored."""
@@ -150,6 +208,27 @@ class Scheduler:
             req.in_workers = False
         self.waiting.add(req)
 
+    def _prefill_share(self) -> int | None:
+        """Tokens a long prefill may take this step when several prefills compete (None: no cap)."""
+        if not self.long_prefill:
+            return None
+        prefills = decodes = 0
+        for req in self.running:
+            if req.num_tokens + req.num_output_placeholders - req.num_computed_tokens > 1:
+                prefills += 1
+            else:
+                decodes += 1
+        prefills += min(len(self.waiting), max(0, self.max_running - len(self.running)))
+        if prefills < 2:
+            return None
+        return max(1, (self.token_budget - decodes) // prefills)
+
+    def _chunk(self, req: Request, computed: int, budget: int, share: int | None) -> int:
+        n = self._num_new_tokens(req, computed, budget)
+        if share is not None and n > self.long_prefill:
+            n = min(n, share)
+        return n
+
     def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
         pending = req.num_output_placeholders
         if pending:
@@ -167,11 +246,12 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted = False
+        share = self._prefill_share()
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            n = self._chunk(req, req.num_computed_tokens, budget, share)
             if n == 0:
                 i += 1
                 continue
@@ -196,10 +276,10 @@ class Scheduler:
             i += 1
 
         admitted: list[Request] = []
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req, num_hit, budget)
+            n = self._chunk(req, num_hit, budget, share)
             ids = self.kv.allocate_slots(req, n, hit_blocks) if n > 0 else None
             if ids is None:
                 break
@@ -327,4 +407,23 @@ class Scheduler:
             "num_preemptions": self.num_preemptions,
             "prefix_cache_queries": self.kv.queries,
             "prefix_cache_hits": self.kv.hits,
+            "prefix_cache_hit_rate": self.kv.hit_rate,
+            "num_queued_tokens": self.waiting.num_tokens,
+        }
+
+    def describe(self, limit: int = 8) -> dict:
+        """The scheduler's state for a stall report: counts, free blocks and the first requests."""
+
+        def brief(req: Request) -> str:
+            blocks = len(self.kv.req_blocks.get(req.request_id, []))
+            return f"{req.request_id}:{req.status.name}:{req.num_computed_tokens}/{req.num_tokens}:b{blocks}"
+
+        return {
+            "running": [brief(r) for r in self.running[:limit]],
+            "waiting": [brief(r) for r in list(self.waiting)[:limit]],
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "free_blocks": self.kv.pool.num_free,
+            "token_budget": self.token_budget,
+            "steps": self.num_steps,
         }

@@ -56,9 +56,7 @@ class ServerConfig:
     api_key: str | None = None
     allowed_origins: tuple[str, ...] = ()
     max_request_bytes: int = 16 * 2**20
-    max_num_queued_requests: int | None = None
     chat_template: str | None = None  # a file path or the template itself
-    health_stall_timeout: float = 60.0  # work queued but no step for this long: unhealthy
 
 
 class BodyLimit:
@@ -97,14 +95,17 @@ class _TooLarge(Exception):
     pass
 
 
+PROTECTED = ("/v1", "/reset_prefix_cache")  # paths that need the API key (when one is set)
+
+
 class ApiKey:
-    """Requires `Authorization: Bearer <key>` on /v1 routes."""
+    """Requires `Authorization: Bearer <key>` on /v1 routes and admin routes."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
@@ -141,7 +142,6 @@ class Api:
             model_name=self.model_name,
             metrics=EngineMetrics(self.model_name),
             chat_template=template,
-            max_num_queued=self.cfg.max_num_queued_requests,
         )
         poller = asyncio.create_task(self._poll_engine())
         try:
@@ -246,6 +246,18 @@ class Api:
         except RequestError as e:
             return error_response(e)
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """Forget every cached prefix block (e.g. after changing what prompts mean); work continues."""
+        try:
+            self._available()
+            dropped = await self.ctx.client.reset_prefix_cache()
+        except RequestError as e:
+            return error_response(e)
+        except EngineDeadError as e:
+            return error_response(engine_dead_error(str(e)))
+        log.info("prefix cache reset: %d cached blocks dropped", dropped)
+        return JSONResponse({"reset": True, "dropped_blocks": dropped})
+
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": engine_version()})
 
@@ -264,10 +276,7 @@ class Api:
         age = time.monotonic() - self.stats_at
         if age > 5 * STATS_INTERVAL_S + 5.0:
             return f"engine has not answered for {age:.0f}s"
-        stalled = self.stats.get("seconds_since_step", 0.0)
-        if self.stats.get("has_work") and stalled > self.cfg.health_stall_timeout:
-            return f"engine holds work but has not completed a step for {stalled:.0f}s"
-        return None
+        return self.stats.get("stalled")  # the core's watchdog (`--stall-timeout`)
 
     async def ready(self, request: Request) -> Response:
         if self.ctx is None or self.ctx.dead is not None or self.ctx.client.dead is not None:
@@ -312,6 +321,7 @@ def build_app(address: str, model_dir: str, cfg: ServerConfig) -> Starlette:
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/version", api.version, methods=["GET"]),
+        Route("/reset_prefix_cache", api.reset_prefix_cache, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/ready", api.ready, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),

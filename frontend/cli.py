@@ -42,6 +42,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=True,
         help="schedule the next step while workers run the current one (multiprocess engine)",
     )
+    g.add_argument(
+        "--max-num-active-seqs", type=int, default=None, help="cap on running requests (<= --max-num-seqs)"
+    )
+    g.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        help="prefills longer than this share the step budget fairly while others wait "
+        "(default 4%% of the context; 0 disables)",
+    )
+    g.add_argument("--max-num-queued-requests", type=int, default=None, help="refuse (503) beyond this many")
+    g.add_argument(
+        "--max-num-queued-tokens", type=int, default=None, help="refuse (503) beyond this many prompt tokens"
+    )
+    g.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds with work held and no step completed before /health reports a stall",
+    )
+    g.add_argument(
+        "--prefix-cache-seed", type=int, default=None, help="prefix-cache hash seed (default: random)"
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
@@ -72,6 +95,12 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
         async_scheduling=args.async_scheduling,
+        max_num_active_seqs=args.max_num_active_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_queued_requests=args.max_num_queued_requests,
+        max_num_queued_tokens=args.max_num_queued_tokens,
+        stall_timeout=args.stall_timeout,
+        prefix_hash_seed=args.prefix_cache_seed,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
@@ -201,6 +230,12 @@ def cmd_bench_restart(args: argparse.Namespace) -> int:
     return bench_restart.run(args, EngineConfig.create(**engine_kwargs(args)))
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from tools import bench_serve
+
+    return bench_serve.main(args)
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
     from coreproc import batch
 
@@ -273,6 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_restart.add_arguments(restart)
     add_engine_args(restart)
     restart.set_defaults(func=cmd_bench_restart)
+    load = bench.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E)")
+    from tools import bench_serve
+
+    bench_serve.add_arguments(load)
+    load.set_defaults(func=cmd_bench_serve)
 
     mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
     from tools import make_model

@@ -45,6 +45,11 @@ _ENGINE_GAUGES = {
     "num_running": ("ember_num_requests_running", "Requests the engine is running (in the current batch)."),
     "num_waiting": ("ember_num_requests_waiting", "Requests queued in the engine, waiting to be scheduled."),
     "kv_usage": ("ember_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use, 0 to 1."),
+    "prefix_cache_hit_rate": (
+        "ember_prefix_cache_hit_rate",
+        "Share of looked-up prompt tokens found in the prefix cache since the engine started, 0 to 1.",
+    ),
+    "num_queued_tokens": ("ember_num_queued_prompt_tokens", "Prompt tokens of the requests waiting."),
 }
 # Cumulative "stats" keys mirrored as counters (prometheus_client appends `_total` to the name).
 _ENGINE_COUNTERS = {

@@ -20,15 +20,21 @@ def openai_finish_reason(reason: str | None) -> str | None:
     return reason
 
 
-def usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage(prompt: int, completion: int, cached: int = 0) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
-def usage_of(results: list[RequestOutput]) -> dict[str, int]:
-    """Usage of one API request: each prompt counted once, every generated sequence counted."""
+def usage_of(results: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of one API request: each prompt counted once, every generated sequence counted, and
+    the prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`)."""
     prompt = sum(len(r.prompt_token_ids) for r in results)
     completion = sum(len(o.token_ids) for r in results for o in r.outputs)
-    return usage(prompt, completion)
+    return usage(prompt, completion, sum(r.num_cached_tokens for r in results))
 
 
 def _clamp(logprob: float) -> float:

@@ -223,7 +223,26 @@ def _paths() -> dict[str, Any]:
             )
         },
         "/version": {"get": _operation("Ember's version", {"200": _json("VersionResponse", "The version.")})},
-        "/health": {"get": _probe("Liveness", "The engine is alive.", "The engine has died.")},
+        "/reset_prefix_cache": {
+            "post": _operation(
+                "Forget every cached prefix block",
+                {
+                    "200": {
+                        "description": "The cache was reset; `dropped_blocks` counts the blocks forgotten.",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    },
+                    **_errors(401, 503),
+                },
+                secured=True,
+            )
+        },
+        "/health": {
+            "get": _probe(
+                "Liveness and progress",
+                "The engine is alive and making progress.",
+                "Dead or stalled (reason).",
+            )
+        },
         "/ready": {"get": _probe("Readiness", "The model is loaded and accepts requests.", "Not ready yet.")},
         "/metrics": {
             "get": _operation(
@@ -244,7 +263,8 @@ def build_openapi(title: str, version: str) -> dict[str, Any]:
     _, schemas = msgspec.json.schema_components(_SCHEMA_TYPES, ref_template=REF)
     responses = {name: _json("ErrorResponse", description) for name, description in ERRORS.values()}
     description = (
-        "An OpenAI-compatible LLM inference server. The /v1/* endpoints accept a bearer token "
+        "An OpenAI-compatible LLM inference server. The /v1/* and /reset_prefix_cache endpoints accept "
+        "a bearer token "
         "(`Authorization: Bearer <key>`), enforced only when the server is started with --api-key; "
         "/tokenize, /detokenize, /version, /health, /ready and /metrics are always open."
     )

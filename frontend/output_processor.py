@@ -126,12 +126,16 @@ class OutputProcessor:
         eos_token_ids: list[int],
         priority: int = 0,
         cache_salt: str | None = None,
+        group: tuple[str, int] | None = None,
     ) -> None:
         """Register a request and add each of its sequences to `engine` (an `EngineCore`).
 
-        If the engine refuses one (e.g. `InvalidParam`), the sequences already added are aborted,
-        the request is forgotten, and the error propagates.
+        `group` (id, size) makes the sequences of several prompts of one API request pass the engine's
+        queue limits together; by default the request's own sequences form the group. If the engine
+        refuses one (`InvalidParam`, `QueueFull`), the sequences already added are aborted, the
+        request is forgotten, and the error propagates.
         """
+        group_id, group_size = group or (request_id, params.n)
         try:
             for eid, sub in self.add_request(request_id, prompt, prompt_ids, params):
                 engine.add_request(
@@ -143,6 +147,8 @@ class OutputProcessor:
                         arrival_time=time.time(),
                         priority=priority,
                         cache_salt=cache_salt,
+                        group=group_id,
+                        group_size=group_size,
                     )
                 )
         except Exception:

@@ -22,11 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes")
     p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (e.g. '*')")
     p.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
-    p.add_argument("--max-num-queued-requests", type=int, default=None, help="503 beyond this many queued")
     p.add_argument(
         "--chat-template", default=None, help="a Jinja template file (or text) to override the model's"
     )
-    p.add_argument("--health-stall-timeout", type=float, default=60.0)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
 
 
@@ -71,9 +69,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         api_key=args.api_key,
         allowed_origins=tuple(args.allowed_origins),
         max_request_bytes=args.max_request_bytes,
-        max_num_queued_requests=args.max_num_queued_requests,
         chat_template=args.chat_template,
-        health_stall_timeout=args.health_stall_timeout,
     )
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]

@@ -4,7 +4,9 @@ Runs in the HTTP server process (uvloop). A request's prompts x n sequences are 
 same `AsyncEngineClient` the SDK uses; their outputs are merged, detokenized and checked for stop
 strings by a per-request `OutputProcessor`, then sent as one JSON body or as SSE chunks
 (`data: {...}`, `data: [DONE]`). Leaving early (client disconnect, error) cancels the streams, which
-aborts the requests in the core. An engine that dies becomes a 503 or an SSE error event.
+aborts the requests in the core. Before a stream starts, every sequence must be admitted by the core,
+so refusals get their status code (400 invalid, 503 queue full or shutting down); an engine that dies
+later becomes a 503 or an SSE error event.
 """
 
 from __future__ import annotations
@@ -41,8 +43,6 @@ class ServingContext:
     model_name: str
     metrics: EngineMetrics
     chat_template: str | None = None
-    max_num_queued: int | None = None
-    queued: int = 0  # sequences submitted that have not produced a token yet
     dead: str | None = None  # why the engine is gone, once it is
 
     def decode(self, token_id: int) -> str:
@@ -55,6 +55,18 @@ def error_response(err: RequestError) -> JSONResponse:
 
 def engine_dead_error(reason: str) -> RequestError:
     return RequestError(f"the engine is not available: {reason}", status=503, err_type="service_unavailable")
+
+
+def refusal_error(e: EngineRequestError | EngineDeadError) -> RequestError:
+    """The HTTP error for a request the engine refused or failed (`e.code` says which), or for an
+    engine that died."""
+    if isinstance(e, EngineDeadError):
+        return engine_dead_error(str(e))
+    if e.code in ("overloaded", "unavailable"):
+        return RequestError(str(e), status=503, err_type="service_unavailable")
+    if e.code == "invalid_request":
+        return RequestError(str(e))
+    return RequestError(str(e), status=500, err_type="internal_error")
 
 
 @dataclass
@@ -74,7 +86,7 @@ class Generation:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
         self.rids: list[str] = []
-        self.waiting: set[str] = set()  # sequences still counted as queued
+        self.admitted: list[asyncio.Future] = []  # one per sequence: accepted by the engine
         self.generated = 0  # tokens produced so far, all sequences
 
     @property
@@ -82,35 +94,39 @@ class Generation:
         return sum(p.n for p in self.params)
 
     def start(self) -> None:
-        ctx = self.ctx
-        if ctx.max_num_queued is not None and ctx.queued + self.num_sequences > ctx.max_num_queued:
-            raise RequestError(
-                f"too many queued requests (limit {ctx.max_num_queued}); retry later",
-                status=503,
-                err_type="service_unavailable",
-            )
-        self.timer = ctx.metrics.request_started()
+        loop = asyncio.get_running_loop()
+        self.timer = self.ctx.metrics.request_started()
         for k, ((text, ids), params) in enumerate(zip(self.prompts, self.params)):
             rid = f"{self.hexid}-{k}"
             self.rids.append(rid)
             for eid, sub in self.processor.add_request(rid, text, ids, params):
-                self.waiting.add(eid)
-                self.tasks.append(asyncio.create_task(self._pump(eid, ids, sub)))
-        ctx.queued += len(self.waiting)
+                admitted = loop.create_future()
+                self.admitted.append(admitted)
+                self.tasks.append(asyncio.create_task(self._pump(eid, ids, sub, admitted)))
 
-    async def _pump(self, eid: str, ids: list[int], params: SamplingParams) -> None:
+    async def wait_admitted(self) -> None:
+        """Return once the engine accepted every sequence; raise the first refusal."""
+        for fut in asyncio.as_completed(self.admitted):
+            await fut
+
+    async def _pump(self, eid: str, ids: list[int], params: SamplingParams, admitted: asyncio.Future) -> None:
+        req, client = self.req, self.ctx.client
         try:
-            async for out in self.ctx.client.generate(
-                ids, params, request_id=eid, priority=self.req.priority, cache_salt=self.req.cache_salt
-            ):
+            stream = client.generate(
+                ids,
+                params,
+                request_id=eid,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                admitted=admitted,
+                group=(self.hexid, self.num_sequences),
+            )
+            async for out in stream:
                 self.queue.put_nowait(out)
         except Exception as e:  # EngineDeadError, EngineRequestError: surfaced by `deltas`
+            if not admitted.done():
+                admitted.set_exception(e)
             self.queue.put_nowait(e)
-
-    def _started(self, eid: str) -> None:
-        if eid in self.waiting:
-            self.waiting.discard(eid)
-            self.ctx.queued -= 1
 
     async def deltas(self) -> AsyncIterator[SequenceDelta]:
         """Sequence deltas as they come; ends when every sequence has finished."""
@@ -120,7 +136,6 @@ class Generation:
             if isinstance(item, Exception):
                 raise item
             out: EngineOutput = item
-            self._started(out.request_id)
             deltas, to_abort = self.processor.process([out])
             for eid in to_abort:
                 await self.ctx.client.abort(eid)
@@ -143,8 +158,9 @@ class Generation:
         """
         for task in self.tasks:
             task.cancel()
-        for eid in list(self.waiting):
-            self._started(eid)
+        for fut in self.admitted:  # nobody waits on these any more
+            if fut.done() and not fut.cancelled():
+                fut.exception()
         if self.timer is not None:
             prompt_tokens = sum(len(ids) for _, ids in self.prompts)
             generated = sum(
@@ -176,12 +192,9 @@ async def respond(gen: Generation, request: Request) -> Response:
             await gen.close("abort")
             return Response(status_code=499)
         work.result()
-    except EngineDeadError as e:
+    except (EngineDeadError, EngineRequestError) as e:
         await gen.close("error")
-        return error_response(engine_dead_error(str(e)))
-    except EngineRequestError as e:
-        await gen.close("error")
-        return error_response(RequestError(str(e)))
+        return error_response(refusal_error(e))
     finally:
         watch.cancel()
     results = gen.results()
@@ -244,8 +257,7 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
             yield _sse((oresp.chat_chunk if chat else oresp.completion_chunk)(*head, [], usage))
     except (EngineDeadError, EngineRequestError) as e:
         reason = "error"
-        err = engine_dead_error(str(e)) if isinstance(e, EngineDeadError) else RequestError(str(e))
-        yield _sse(err.error_body())
+        yield _sse(refusal_error(e).error_body())
     finally:
         await gen.close(reason)
     yield b"data: [DONE]\n\n"
@@ -264,5 +276,10 @@ async def serve_generation(
     gen = Generation(ctx, req, prompts, params)
     gen.start()
     if req.stream:
+        try:
+            await gen.wait_admitted()
+        except (EngineDeadError, EngineRequestError) as e:
+            await gen.close("error")
+            return error_response(refusal_error(e))
         return StreamingResponse(stream(gen), media_type="text/event-stream")
     return await respond(gen, request)

@@ -331,3 +331,35 @@ def test_stdin_to_stdout(ckpt):
     assert answered == {"a": 200, "b": 200}
     assert [r["error"]["code"] for r in recs if r["error"]] == ["invalid_json"]
     assert proc.stderr.strip().splitlines()[-1].startswith("ember batch: 2 done, 1 errors")
+
+
+def test_queue_limits_hold_work_back_instead_of_failing_it(ckpt, llm, tmp_path):
+    """With tight queue limits and one running request at a time, every line is still answered, in
+    full, with the same greedy text as the offline API (held back, never refused)."""
+    prompts = [f"print({i})" for i in range(7)] + [["a", "b"]]
+    items = [completion(f"q{i}", prompt=p, **GREEDY) for i, p in enumerate(prompts)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", items), tmp_path / "out.jsonl"
+    flags = ["--max-num-active-seqs", "1", "--max-num-queued-requests", "1", "--max-num-queued-tokens", "8"]
+    assert main(["batch", "-i", str(src), "-o", str(out), *engine_flags(ckpt, *flags)]) == 0
+    recs = by_id(read_records(out))
+    assert set(recs) == {f"q{i}" for i in range(len(prompts))}
+    ref = llm.generate(
+        [p for p in prompts if isinstance(p, str)],
+        SamplingParams(temperature=0, max_tokens=12),
+        use_tqdm=False,
+    )
+    for i, expect in enumerate(ref):
+        body = recs[f"q{i}"]["response"]["body"]
+        assert body["choices"][0]["text"] == expect.outputs[0].text
+    assert len(recs["q7"]["response"]["body"]["choices"]) == 2
+
+
+def test_offline_api_respects_queue_limits(ckpt, llm):
+    prompts = [f"x = {i}" for i in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    with LLM(
+        ckpt, dtype="float32", show_progress=False, max_num_queued_requests=1, max_num_active_seqs=2
+    ) as tight:
+        got = [o.outputs[0].text for o in tight.generate(prompts, greedy, use_tqdm=False)]
+        assert tight.stats()["num_blocks_in_use"] == 0
+    assert got == [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]

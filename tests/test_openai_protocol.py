@@ -224,7 +224,12 @@ def test_completion_response_shape_and_logprobs():
     body = completion_response("cmpl-1", "m", 123, choices, usage_of([result]))
     assert set(body) == {"id", "object", "created", "model", "choices", "usage"}
     assert body["object"] == "text_completion"
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    assert body["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 4,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     c0, c1 = body["choices"]
     assert (c0["index"], c0["text"], c0["finish_reason"]) == (2, "Hello", "length")
     assert (c1["index"], c1["finish_reason"]) == (3, "stop")

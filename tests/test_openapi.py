@@ -35,7 +35,9 @@ ROUTES = {
     "/health": {"get"},
     "/ready": {"get"},
     "/metrics": {"get"},
+    "/reset_prefix_cache": {"post"},
 }
+SECURED = ("/v1/", "/reset_prefix_cache")
 PARSERS: dict[str, Callable[[Any], Any]] = {
     "CompletionRequest": parse_completion_request,
     "ChatCompletionRequest": parse_chat_request,
@@ -114,12 +116,12 @@ def test_every_route_with_its_methods(doc: dict[str, Any]) -> None:
     assert {path: set(item) for path, item in doc["paths"].items()} == ROUTES
 
 
-def test_bearer_auth_on_v1_paths_only(doc: dict[str, Any]) -> None:
+def test_bearer_auth_on_v1_and_admin_paths_only(doc: dict[str, Any]) -> None:
     for path, item in doc["paths"].items():
         for op in item.values():
             secured = op.get("security") == [{"bearerAuth": []}]
-            assert secured == path.startswith("/v1/"), path
-            assert ("401" in op["responses"]) == path.startswith("/v1/"), path
+            assert secured == path.startswith(SECURED), path
+            assert ("401" in op["responses"]) == path.startswith(SECURED), path
 
 
 def test_generation_endpoints_answer_json_or_event_stream(doc: dict[str, Any]) -> None:

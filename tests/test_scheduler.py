@@ -14,78 +14,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coreproc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from coreproc.protocol import EngineRequest, InvalidParam, RunnerOutput, SamplingParams, TokenLogprobs
-from coreproc.request import RequestStatus
 from coreproc.scheduler import Scheduler
+from tests.sched_util import (
+    EOS,
+    VOCAB,
+    Controls,
+    StuckExecutor,
+    fake_runner_output,
+    make_config,
+    run_workload,
+)
 
 pytestmark = pytest.mark.unit
-
-EOS = 1
-VOCAB = 50
-
-
-def make_config(**kw) -> EngineConfig:
-    model = ModelConfig(
-        model="none",
-        architecture="LlamaForCausalLM",
-        dtype="float32",
-        max_model_len=kw.pop("max_model_len", 128),
-        vocab_size=VOCAB,
-        num_layers=1,
-        num_heads=1,
-        num_kv_heads=1,
-        head_dim=8,
-        hidden_size=8,
-        tokenizer="none",
-    )
-    cache = CacheConfig(block_size=kw.pop("block_size", 4), enable_prefix_caching=kw.pop("prefix", True))
-    sched = SchedulerConfig(
-        max_num_seqs=kw.pop("max_num_seqs", 8),
-        max_num_batched_tokens=kw.pop("budget", 32),
-        policy=kw.pop("policy", "fcfs"),
-    )
-    return EngineConfig(model=model, cache=cache, scheduler=sched)
-
-
-def fake_runner_output(sched: Scheduler, out, rng: random.Random) -> RunnerOutput:
-    """What workers would return for a step just scheduled: a token for each request whose chunk
-    reached the end of its tokens (the scheduler then holds a placeholder for it)."""
-    ids, tokens, lps = [], [], []
-    for rid in out.num_scheduled_tokens:
-        req = sched.requests[rid]
-        ids.append(rid)
-        pending = req.num_output_placeholders
-        if pending and req.num_computed_tokens == req.num_tokens + pending - 1:
-            t = EOS if rng.random() < 0.05 else rng.randrange(2, VOCAB)
-            tokens.append([t])
-            lps.append([TokenLogprobs([t], [-1.0], 1)])
-        else:
-            tokens.append([])
-            lps.append([])
-    return RunnerOutput(req_ids=ids, sampled_token_ids=tokens, logprobs=lps)
-
-
-def check_invariants(sched: Scheduler, out) -> None:
-    cfg = sched.config
-    assert out.total_num_scheduled_tokens <= cfg.scheduler.max_num_batched_tokens
-    assert len(sched.running) <= cfg.scheduler.max_num_seqs
-    kv = sched.kv
-    refs: dict[int, int] = {}
-    for rid, blocks in kv.req_blocks.items():
-        req = sched.requests[rid]
-        assert req.status == RequestStatus.RUNNING, f"{req} holds blocks while not running"
-        assert len(blocks) * kv.block_size >= req.num_computed_tokens
-        for b in blocks:
-            refs[b.block_id] = refs.get(b.block_id, 0) + 1
-    for block in kv.pool.blocks:
-        assert block.ref_cnt == refs.get(block.block_id, 0), f"{block} refcount drifted"
-        assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free)
-    for req in sched.requests.values():
-        assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
-        if req.status != RequestStatus.RUNNING:
-            assert req.request_id not in kv.req_blocks
-
 
 request_strategy = st.tuples(
     st.integers(0, 6),  # arrival step
@@ -94,86 +35,37 @@ request_strategy = st.tuples(
     st.integers(0, 3),  # priority
     st.sampled_from([None, 0, 1]),  # shared prefix family (prefix-cache hits)
     st.one_of(st.none(), st.integers(0, 40)),  # abort at step
+    st.sampled_from([None, None, "a", "b"]),  # tenant cache salt
 )
 
 
-def run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed, overlap=False) -> Scheduler:
-    """Drive a scheduler through a workload, checking invariants after every call.
-
-    With `overlap`, step N+1 is scheduled before step N's output is applied (as the multiprocess
-    core does while workers run step N)."""
-    rng = random.Random(seed)
-    cfg = make_config(
-        budget=budget, max_num_seqs=max_num_seqs, policy=policy, prefix=prefix, max_model_len=64
+@st.composite
+def controls_strategy(draw) -> Controls:
+    max_num_seqs = draw(st.integers(1, 8))
+    return Controls(
+        budget=draw(st.integers(8, 64)),
+        num_blocks=draw(st.integers(16, 40)),
+        max_num_seqs=max_num_seqs,
+        max_num_active_seqs=draw(st.one_of(st.none(), st.integers(1, max_num_seqs))),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 4, 16])),
+        max_num_queued_requests=draw(st.one_of(st.none(), st.integers(1, 6))),
+        max_num_queued_tokens=draw(st.one_of(st.none(), st.integers(1, 120))),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        prefix=draw(st.booleans()),
     )
-    sched = Scheduler(cfg, num_blocks)
-    family = {
-        0: [rng.randrange(2, VOCAB) for _ in range(24)],
-        1: [rng.randrange(2, VOCAB) for _ in range(24)],
-    }
-    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
-    finished: set[str] = set()
-    aborted: set[str] = set()
-    in_flight = None
-    step = 0
-    while pending or sched.has_unfinished_requests() or in_flight:
-        while pending and pending[0][1][0] <= step:
-            i, (_, plen, max_tokens, prio, fam, _) = pending.pop(0)
-            prompt = [rng.randrange(2, VOCAB) for _ in range(plen)]
-            if fam is not None:
-                prompt = (family[fam] + prompt)[:plen]
-            sched.add_request(
-                EngineRequest(
-                    request_id=f"r{i}",
-                    prompt_token_ids=prompt,
-                    sampling_params=SamplingParams(max_tokens=max_tokens),
-                    eos_token_ids=[EOS],
-                    priority=prio,
-                    arrival_time=float(step),
-                )
-            )
-        for i, r in enumerate(reqs):
-            if r[5] == step and f"r{i}" in sched.requests:
-                for o in sched.abort_requests([f"r{i}"]):
-                    assert o.finish_reason == "abort"
-                    aborted.add(o.request_id)
-        out = sched.schedule()
-        check_invariants(sched, out)
-        result = fake_runner_output(sched, out, rng)
-        applied = (out, result)
-        if overlap:
-            applied, in_flight = in_flight, ((out, result) if out.total_num_scheduled_tokens else None)
-        if applied is not None:
-            out, result = applied
-            for o in sched.update_from_output(out, result):
-                if o.finished:
-                    finished.add(o.request_id)
-            check_invariants(sched, out)
-        step += 1
-        assert step < 5000, "scheduler made no progress"
-    if overlap and in_flight:
-        sched.update_from_output(*in_flight)
-    assert finished | aborted == {f"r{i}" for i in range(len(reqs))}
-    assert sched.kv.num_blocks_in_use() == 0
-    assert not sched.requests
-    return sched
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request_strategy, min_size=1, max_size=14),
-    budget=st.integers(8, 64),
-    num_blocks=st.integers(16, 40),
-    max_num_seqs=st.integers(1, 8),
-    policy=st.sampled_from(["fcfs", "priority"]),
-    prefix=st.booleans(),
+    controls=controls_strategy(),
     seed=st.integers(0, 1000),
     overlap=st.booleans(),
 )
-def test_random_workloads_always_finish(
-    reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed, overlap
-):
-    run_workload(reqs, budget, num_blocks, max_num_seqs, policy, prefix, seed, overlap)
+def test_random_workloads_always_finish(reqs, controls, seed, overlap):
+    """Under every combination of controls: all requests finish, are aborted or are refused with a
+    reason; budgets and seat limits hold; no deadlock; zero blocks in use at the end."""
+    run_workload(reqs, controls, seed, overlap)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -190,10 +82,12 @@ def test_heavy_kv_pressure_preempts_and_finishes(policy, prefix, overlap):
             rng.randrange(0, 4),
             rng.choice([None, 0, 1]),
             rng.choice([None, None, None, rng.randrange(0, 200)]),
+            None,
         )
         for _ in range(40)
     ]
-    sched = run_workload(reqs, 48, 18, 8, policy, prefix, seed=1, overlap=overlap)
+    controls = Controls(budget=48, num_blocks=18, max_num_seqs=8, policy=policy, prefix=prefix)
+    sched = run_workload(reqs, controls, seed=1, overlap=overlap).sched
     assert sched.num_preemptions >= 10
     if prefix:
         assert sched.kv.hits > 0
@@ -338,28 +232,9 @@ def test_stop_conditions(params, script, expect_tokens, reason, stop_reason):
 def test_engine_fails_requests_instead_of_spinning():
     """If scheduling ever stops making progress, queued requests fail with an error (no hang)."""
     from coreproc.engine import EngineCore
-    from coreproc.protocol import SchedulerOutput, WorkerReady
+    from coreproc.protocol import SchedulerOutput
 
-    class NullExecutor:
-        ready = [
-            WorkerReady(
-                rank=0, num_kv_blocks=40, kv_bytes_per_block=1, weight_bytes=0, load_seconds=0, device="cpu"
-            )
-        ]
-
-        def submit(self, out: SchedulerOutput) -> None:
-            pass
-
-        def wait(self) -> RunnerOutput:
-            return RunnerOutput()
-
-        def check_alive(self) -> None:
-            pass
-
-        def shutdown(self) -> None:
-            pass
-
-    engine = EngineCore(make_config(), NullExecutor())
+    engine = EngineCore(make_config(), StuckExecutor())
     engine.scheduler.schedule = lambda: SchedulerOutput()  # a scheduler that never admits anything
     engine.add_request(
         EngineRequest(request_id="a", prompt_token_ids=[3, 4], sampling_params=SamplingParams())

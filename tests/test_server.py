@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -23,63 +21,9 @@ import pytest
 from hf_ref import PROMPT_TEXTS
 
 from coreproc import LLM, SamplingParams
+from tests.server_util import metric, start_server, stop_server, wait_idle
 
 pytestmark = pytest.mark.e2e
-
-
-def start_server(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
-    cmd += ["--served-model-name", "llama", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    lines = []
-    while not (lines and "listening on" in lines[-1]) and proc.poll() is None:
-        lines.append(proc.stdout.readline())
-    match = re.search(r"http://[\d.]+:\d+", lines[-1] if lines else "")
-    assert match, f"no address in {lines!r}"
-    assert "weights float32" in "".join(lines), "the start-up line reports weight memory by dtype"
-    url = match.group(0)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server not ready")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def metric(url: str, name: str, label: str = "") -> float:
-    """Sum of a metric's samples (optionally only those whose labels contain `label`)."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") and label in line
-    ]
-    assert values, f"{name} not in /metrics"
-    return sum(values)
-
-
-def wait_idle(url: str, timeout: float = 15.0) -> None:
-    """Until the engine reports no KV blocks in use and nothing running (stats refresh every second)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(url, "ember_kv_cache_usage_ratio") == 0 and metric(url, "ember_num_requests_running") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("KV blocks still in use")
 
 
 @pytest.fixture(scope="module")
@@ -332,11 +276,17 @@ def test_api_key_cors_queue_limit_and_chat_template(llama, tmp_path, offline):
         os.kill(worker_pid, signal.SIGSTOP)  # nothing progresses: whatever is submitted stays queued
         try:
             with httpx.Client(timeout=60) as http:
-                with http.stream("POST", f"{url}/v1/completions", json=long, headers=headers) as queued:
-                    assert queued.status_code == 200
-                    with pytest.raises(openai.InternalServerError) as e:
+                with (
+                    http.stream("POST", f"{url}/v1/completions", json=long, headers=headers) as running,
+                    http.stream("POST", f"{url}/v1/completions", json=long, headers=headers) as queued,
+                ):
+                    assert running.status_code == queued.status_code == 200
+                    with pytest.raises(openai.InternalServerError) as e:  # the queue holds one
                         good.completions.create(model="llama", prompt="y", max_tokens=2)
-                    assert e.value.status_code == 503 and "queued" in e.value.message
+                    assert e.value.status_code == 503 and "queue is full" in e.value.message
+                    refused = http.post(f"{url}/v1/completions", json=long, headers=headers)
+                    assert refused.status_code == 503  # a stream is refused before it starts
+                    assert refused.json()["error"]["type"] == "service_unavailable"
         finally:
             os.kill(worker_pid, signal.SIGCONT)
     finally:
@@ -344,7 +294,7 @@ def test_api_key_cors_queue_limit_and_chat_template(llama, tmp_path, offline):
 
 
 def test_stalled_engine_is_unhealthy_and_dead_engine_fails_streams(llama):
-    proc, url = start_server(llama, "--health-stall-timeout", "2")
+    proc, url = start_server(llama, "--stall-timeout", "2")
     try:
         core_pid, worker_pid = engine_pids(proc)
         body = {"model": "llama", "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}

@@ -1,0 +1,217 @@
+"""Shared pieces of the scheduler tests: a tiny config, a fake worker step, invariants and a driver.
+
+`run_workload` plays the engine loop over a drawn workload (arrivals, prompt and output lengths,
+priorities, shared prefixes, tenant salts, aborts) with every admission control on or off, checking
+the invariants after each call and, at the end, that every request finished, was aborted or was
+refused with a reason, and that no block is left in use.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from coreproc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from coreproc.protocol import (
+    EngineRequest,
+    QueueFull,
+    RunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    TokenLogprobs,
+    WorkerReady,
+)
+from coreproc.request import RequestStatus
+from coreproc.scheduler import Scheduler
+
+EOS = 1
+VOCAB = 50
+
+
+def make_config(**kw) -> EngineConfig:
+    model = ModelConfig(
+        model="none",
+        architecture="LlamaForCausalLM",
+        dtype="float32",
+        max_model_len=kw.pop("max_model_len", 128),
+        vocab_size=VOCAB,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        hidden_size=8,
+        tokenizer="none",
+    )
+    cache = CacheConfig(block_size=kw.pop("block_size", 4), enable_prefix_caching=kw.pop("prefix", True))
+    sched = SchedulerConfig(
+        max_num_seqs=kw.pop("max_num_seqs", 8),
+        max_num_batched_tokens=kw.pop("budget", 32),
+        policy=kw.pop("policy", "fcfs"),
+        **kw,
+    )
+    return EngineConfig(model=model, cache=cache, scheduler=sched)
+
+
+def fake_runner_output(sched: Scheduler, out, rng: random.Random) -> RunnerOutput:
+    """What workers would return for a step just scheduled: a token for each request whose chunk
+    reached the end of its tokens (the scheduler then holds a placeholder for it)."""
+    ids, tokens, lps = [], [], []
+    for rid in out.num_scheduled_tokens:
+        req = sched.requests[rid]
+        ids.append(rid)
+        pending = req.num_output_placeholders
+        if pending and req.num_computed_tokens == req.num_tokens + pending - 1:
+            t = EOS if rng.random() < 0.05 else rng.randrange(2, VOCAB)
+            tokens.append([t])
+            lps.append([TokenLogprobs([t], [-1.0], 1)])
+        else:
+            tokens.append([])
+            lps.append([])
+    return RunnerOutput(req_ids=ids, sampled_token_ids=tokens, logprobs=lps)
+
+
+def check_invariants(sched: Scheduler, out) -> None:
+    cfg = sched.config
+    assert out.total_num_scheduled_tokens <= cfg.scheduler.max_num_batched_tokens
+    assert len(sched.running) <= cfg.scheduler.max_running
+    kv = sched.kv
+    refs: dict[int, int] = {}
+    for rid, blocks in kv.req_blocks.items():
+        req = sched.requests[rid]
+        assert req.status == RequestStatus.RUNNING, f"{req} holds blocks while not running"
+        assert len(blocks) * kv.block_size >= req.num_computed_tokens
+        for b in blocks:
+            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+    for block in kv.pool.blocks:
+        assert block.ref_cnt == refs.get(block.block_id, 0), f"{block} refcount drifted"
+        assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free)
+    for req in sched.requests.values():
+        assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
+        if req.status != RequestStatus.RUNNING:
+            assert req.request_id not in kv.req_blocks
+    waiting = list(sched.waiting)
+    assert sched.waiting.num_tokens == sum(r.num_tokens for r in waiting)
+    if sched.policy == "fcfs":  # resumed requests are served before any that never ran
+        started = [r.num_preemptions > 0 for r in waiting]
+        assert started == sorted(started, reverse=True), "a preempted request queued behind a new one"
+
+
+class StuckExecutor:
+    """An executor whose steps return nothing: the engine never completes a useful step."""
+
+    ready = [
+        WorkerReady(
+            rank=0, num_kv_blocks=40, kv_bytes_per_block=1, weight_bytes=0, load_seconds=0, device="cpu"
+        )
+    ]
+
+    def submit(self, out: SchedulerOutput) -> None:
+        pass
+
+    def wait(self) -> RunnerOutput:
+        return RunnerOutput()
+
+    def check_alive(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Controls:
+    """Scheduler settings a workload runs under."""
+
+    budget: int = 32
+    num_blocks: int = 40
+    max_num_seqs: int = 8
+    max_num_active_seqs: int | None = None
+    long_prefill_token_threshold: int = 0
+    max_num_queued_requests: int | None = None
+    max_num_queued_tokens: int | None = None
+    policy: str = "fcfs"
+    prefix: bool = True
+
+
+@dataclass
+class WorkloadResult:
+    sched: Scheduler
+    finished: set[str]
+    aborted: set[str]
+    refused: set[str]
+
+
+def run_workload(reqs, controls: Controls, seed: int, overlap: bool = False) -> WorkloadResult:
+    """Drive a scheduler through a workload, checking invariants after every call.
+
+    Each request is (arrival step, prompt length, max tokens, priority, prefix family or None,
+    abort step or None, cache salt or None). With `overlap`, step N+1 is scheduled before step N's
+    output is applied (as the multiprocess core does while workers run step N)."""
+    rng = random.Random(seed)
+    c = controls
+    cfg = make_config(
+        budget=c.budget,
+        max_num_seqs=c.max_num_seqs,
+        policy=c.policy,
+        prefix=c.prefix,
+        max_model_len=64,
+        max_num_active_seqs=c.max_num_active_seqs,
+        long_prefill_token_threshold=c.long_prefill_token_threshold,
+        max_num_queued_requests=c.max_num_queued_requests,
+        max_num_queued_tokens=c.max_num_queued_tokens,
+    )
+    sched = Scheduler(cfg, c.num_blocks)
+    family = {f: [rng.randrange(2, VOCAB) for _ in range(24)] for f in (0, 1)}
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
+    finished: set[str] = set()
+    aborted: set[str] = set()
+    refused: set[str] = set()
+    in_flight = None
+    step = 0
+    while pending or sched.has_unfinished_requests() or in_flight:
+        while pending and pending[0][1][0] <= step:
+            i, (_, plen, max_tokens, prio, fam, _, salt) = pending.pop(0)
+            prompt = [rng.randrange(2, VOCAB) for _ in range(plen)]
+            if fam is not None:
+                prompt = (family[fam] + prompt)[:plen]
+            try:
+                sched.add_request(
+                    EngineRequest(
+                        request_id=f"r{i}",
+                        prompt_token_ids=prompt,
+                        sampling_params=SamplingParams(max_tokens=max_tokens),
+                        eos_token_ids=[EOS],
+                        priority=prio,
+                        arrival_time=float(step),
+                        cache_salt=salt,
+                    )
+                )
+            except QueueFull as e:
+                assert "queue is full" in str(e)
+                assert len(sched.waiting) > 0, "an empty queue must take a request"
+                refused.add(f"r{i}")
+        for i, r in enumerate(reqs):
+            if r[5] == step and f"r{i}" in sched.requests:
+                for o in sched.abort_requests([f"r{i}"]):
+                    assert o.finish_reason == "abort"
+                    aborted.add(o.request_id)
+        out = sched.schedule()
+        check_invariants(sched, out)
+        result = fake_runner_output(sched, out, rng)
+        applied = (out, result)
+        if overlap:
+            applied, in_flight = in_flight, ((out, result) if out.total_num_scheduled_tokens else None)
+        if applied is not None:
+            out, result = applied
+            for o in sched.update_from_output(out, result):
+                if o.finished:
+                    finished.add(o.request_id)
+            check_invariants(sched, out)
+        step += 1
+        assert step < 5000, "scheduler made no progress"
+    if overlap and in_flight:
+        sched.update_from_output(*in_flight)
+    assert finished | aborted | refused == {f"r{i}" for i in range(len(reqs))}
+    assert sched.kv.num_blocks_in_use() == 0
+    assert not sched.requests
+    return WorkloadResult(sched, finished, aborted, refused)

@@ -1,0 +1,67 @@
+"""Live `ember serve` processes for end-to-end tests: start on a free port, stop, read /metrics."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def start_server(model: str, *extra: str, name: str = "llama") -> tuple[subprocess.Popen, str]:
+    """`ember serve MODEL` on a free port; returns the process and its base URL once ready."""
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
+    cmd += ["--served-model-name", name, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    lines = []
+    while not (lines and "listening on" in lines[-1]) and proc.poll() is None:
+        lines.append(proc.stdout.readline())
+    match = re.search(r"http://[\d.]+:\d+", lines[-1] if lines else "")
+    assert match, f"no address in {lines!r}"
+    assert "weights float32" in "".join(lines), "the start-up line reports weight memory by dtype"
+    url = match.group(0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server not ready")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def metric(url: str, name: str, label: str = "") -> float:
+    """Sum of a metric's samples (optionally only those whose labels contain `label`)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line
+    ]
+    assert values, f"{name} not in /metrics"
+    return sum(values)
+
+
+def wait_idle(url: str, timeout: float = 15.0) -> None:
+    """Until the engine reports no KV blocks in use and nothing running (stats refresh every second)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(url, "ember_kv_cache_usage_ratio") == 0 and metric(url, "ember_num_requests_running") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("KV blocks still in use")
