@@ -47,9 +47,10 @@ class EngineRequestError(RuntimeError):
     """The engine refused or failed one request; the message says why, `code` what kind of failure
     ("invalid_request", "overloaded", "unavailable", or None for a failure while running)."""
 
-    def __init__(self, message: str, code: str | None = None) -> None:
+    def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.param = param
 
 
 HEARTBEAT_S = 1.0
@@ -239,7 +240,9 @@ class AsyncEngineClient:
                     raise item
                 if item.finish_reason == "error":
                     done = True
-                    error = EngineRequestError(item.error or "request failed", item.error_code)
+                    error = EngineRequestError(
+                        item.error or "request failed", item.error_code, item.error_param
+                    )
                     _settle(admitted, error)
                     raise error
                 _settle(admitted)

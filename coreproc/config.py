@@ -294,6 +294,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
+    logits_processors: tuple[str, ...] = ()  # extra module:Class processors (built-ins always load)
 
     @classmethod
     def create(
@@ -328,6 +329,7 @@ class EngineConfig:
         load_format: str = "auto",
         socket_dir: str | None = None,
         preload_wait_timeout: float = 0.0,
+        logits_processors: tuple[str, ...] | list[str] = (),
     ) -> EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
         device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
@@ -342,6 +344,11 @@ class EngineConfig:
         )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))
+        if logits_processors:  # fail fast, in the caller's process, on a processor that cannot load
+            from coreproc.logits_processors import ProcessorContext, load_processors, processor_specs
+
+            ctx = ProcessorContext(model_cfg.vocab_size, model_cfg.max_model_len)
+            load_processors(processor_specs(tuple(logits_processors)), ctx)
         if long_prefill_token_threshold is None:  # default: 4% of the context, at least one block
             long_prefill_token_threshold = max(block_size, model_cfg.max_model_len // 25)
         return cls(
@@ -374,6 +381,7 @@ class EngineConfig:
             load=LoadConfig(
                 load_format=load_format, socket_dir=socket_dir, preload_wait_timeout=preload_wait_timeout
             ),
+            logits_processors=tuple(logits_processors),
         )
 
     @property

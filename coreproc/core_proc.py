@@ -157,8 +157,10 @@ class CoreServer:
             del self.last_seen[c]
 
     def _add(self, identity: bytes, req: EngineRequest) -> None:
-        def reject(reason: str, code: str) -> None:
-            out = EngineOutput(req.request_id, finish_reason="error", error=reason, error_code=code)
+        def reject(reason: str, code: str, param: str | None = None) -> None:
+            out = EngineOutput(
+                req.request_id, finish_reason="error", error=reason, error_code=code, error_param=param
+            )
             self._send(identity, OutputBatch([out]))
 
         if self.stopping_since is not None:
@@ -170,7 +172,7 @@ class CoreServer:
         try:
             self.engine.add_request(req)
         except InvalidParam as e:
-            return reject(f"invalid {e.param or 'request'}: {e}", "invalid_request")
+            return reject(str(e), "invalid_request", e.param)
         except QueueFull as e:
             return reject(str(e), "overloaded")
         self.owner[req.request_id] = identity

@@ -49,6 +49,13 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # logits processors (see coreproc/logits_processors.py): built-ins read these typed fields,
+    # third-party processors their entry of `logits_processor_args` (keyed by processor name)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []  # text; the frontend fills bad_words_token_ids with its tokenizer
+    bad_words_token_ids: list[list[int]] = []
+    logits_processor_args: dict[str, Any] = {}
 
     @property
     def greedy(self) -> bool:
@@ -221,6 +228,7 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     num_cached_tokens: int = 0
     error: str | None = None
     error_code: str | None = None  # "invalid_request" | "overloaded" | "unavailable" (HTTP 400/503)
+    error_param: str | None = None  # the request field an "invalid_request" is about
 
     @property
     def finished(self) -> bool:

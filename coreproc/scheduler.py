@@ -18,6 +18,7 @@ from collections import OrderedDict
 
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
+from coreproc.logits_processors import ProcessorContext, load_processors, processor_specs, validate_request
 from coreproc.protocol import (
     CachedRequestData,
     EngineOutput,
@@ -90,6 +91,8 @@ class Scheduler:
             config.cache.enable_prefix_caching,
             config.cache.prefix_hash_seed,
         )
+        ctx = ProcessorContext(config.model.vocab_size, config.model.max_model_len)
+        self.processors = load_processors(processor_specs(config.logits_processors), ctx)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
@@ -115,6 +118,7 @@ class Scheduler:
         if any(t < 0 or t >= self.vocab_size for t in er.prompt_token_ids):
             raise InvalidParam(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         er.sampling_params.validate()
+        validate_request(self.processors, er.sampling_params)
         if er.lora is not None:
             name = er.lora.name
             raise InvalidParam(f"LoRA adapter {name!r}: no adapters are loaded in this engine", "lora")

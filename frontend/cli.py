@@ -75,6 +75,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--preload-wait-timeout", type=float, default=0.0, help="wait this long for a preload daemon (s)"
     )
+    g.add_argument(
+        "--logits-processors",
+        nargs="*",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="extra logits processors (built-ins and ember.logits_processors entry points always load)",
+    )
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
 
@@ -111,6 +118,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         preload_wait_timeout=args.preload_wait_timeout,
         device=args.device,
         attention_backend=args.attention_backend,
+        logits_processors=tuple(args.logits_processors),
     )
 
 

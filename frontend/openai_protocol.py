@@ -87,6 +87,10 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # token id (as a string, like OpenAI) -> bias
+    allowed_token_ids: list[int] | None = None
+    bad_words: str | list[str] | None = None
+    logits_processor_args: dict[str, Any] | None = None  # custom processors' arguments, by name
 
 
 class CompletionRequest(_Common, frozen=True, kw_only=True):
@@ -195,6 +199,15 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
+
+
 def to_sampling_params(
     req: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int
 ) -> SamplingParams:
@@ -249,6 +262,10 @@ def to_sampling_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=[req.bad_words] if isinstance(req.bad_words, str) else list(req.bad_words or []),
+        logits_processor_args=dict(req.logits_processor_args or {}),
     )
     try:
         params.validate(MAX_LOGPROBS)

@@ -91,11 +91,24 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
         self.sequences: dict[str, Sequence] = {}
 
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences to ban for each word: as written and with a leading space (the form it takes
+        mid-sentence), without special tokens."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for form in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(form, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
     def add_request(
         self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
     ) -> list[tuple[str, SamplingParams]]:
         """Register a request; returns (engine request id, params) for each sequence to submit."""
         parent = ParentRequest(request_id, prompt, list(prompt_ids))
+        if params.bad_words and not params.bad_words_token_ids:
+            params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_word_ids(params.bad_words))
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = []
         self.parents[request_id] = parent

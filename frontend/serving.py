@@ -65,7 +65,7 @@ def refusal_error(e: EngineRequestError | EngineDeadError) -> RequestError:
     if e.code in ("overloaded", "unavailable"):
         return RequestError(str(e), status=503, err_type="service_unavailable")
     if e.code == "invalid_request":
-        return RequestError(str(e))
+        return RequestError(str(e), e.param)
     return RequestError(str(e), status=500, err_type="internal_error")
 
 

@@ -18,7 +18,13 @@ from transformers.generation.logits_process import (
 )
 
 from coreproc import LLM, SamplingParams
+from coreproc.logits_processors import BUILTIN_SPECS, ProcessorContext, Row, load_processors
 from workers.sampler import Sampler, SamplingBatch
+
+
+def builtin_processors(vocab: int) -> list:
+    return load_processors(list(BUILTIN_SPECS), ProcessorContext(vocab, 128))
+
 
 pytestmark = pytest.mark.model
 
@@ -87,7 +93,7 @@ def batch(n: int, **overrides) -> SamplingBatch:
         repetition_penalty=[1.0] * n,
         prompt_ids=[[] for _ in range(n)],
         output_ids=[[] for _ in range(n)],
-        banned_ids=[[] for _ in range(n)],
+        rows=[Row(i, SamplingParams(), [], [], []) for i in range(n)],
         max_num_logprobs=0,
     )
     fields.update(overrides)
@@ -135,8 +141,12 @@ def test_min_tokens_bans_eos_and_stop_ids():
     logits = torch.zeros(1, 10)
     logits[0, 2] = 5.0  # EOS would win
     logits[0, 7] = 4.0  # a stop id next
-    out = Sampler(torch.device("cpu"))(logits, batch(1, temperature=[0.0], banned_ids=[[2, 7]]))
+    rows = [Row(0, SamplingParams(min_tokens=1, stop_token_ids=[7]), [5], [], [2])]
+    sampler = Sampler(torch.device("cpu"), processors=builtin_processors(10))
+    out = sampler(logits, batch(1, temperature=[0.0], rows=rows))
     assert out.sampled.item() not in (2, 7)
+    rows[0].output_ids.append(3)  # min_tokens reached: EOS allowed again
+    assert sampler(logits, batch(1, temperature=[0.0], rows=rows)).sampled.item() == 2
 
 
 def test_repetition_penalty_greedy_matches_hf(llama, llm):

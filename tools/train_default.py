@@ -1,17 +1,18 @@
-"""Train Ember's bundled quickstart model (tools/default_model/) on the local Python standard library.
+"""Train Ember's bundled quickstart model (tools/default_model/) and its draft (tools/default_draft/).
 
-A ~5M-parameter Llama (GQA, tied embeddings, 8192-token BPE from tools.tokenizer_train) is trained
-from scratch with plain AdamW on next-token loss over the stdlib's .py files (code only: comments
-and docstrings stripped), holding out every 20th file for validation, then saved in bfloat16 as a
-complete Hugging Face folder with a README. Deterministic for a given seed and thread count.
-Regenerate with ``python -m tools.train_default``.
+The target is a ~5M-parameter Llama (GQA, tied embeddings, 8192-token BPE from tools.tokenizer_train);
+the draft (``--draft``) is a ~1.4M-parameter Llama for speculative decoding that reuses the target's
+tokenizer files unchanged. Both are trained from scratch with plain AdamW on next-token loss over the
+stdlib's code (tools.train_common: same corpus, same validation split), saved in bfloat16 as complete
+Hugging Face folders with a README; the draft's README also records its greedy acceptance rate
+against the target. Deterministic for a given seed and thread count. Regenerate with
+``python -m tools.train_default`` and ``python -m tools.train_default --draft``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,84 +21,18 @@ import torch
 from tokenizers import Tokenizer
 
 from tools.make_model import make_config
-from tools.tokenizer_train import (
-    corpus_files,
-    read_text,
-    save_hf_tokenizer,
-    special_token_ids,
-    train_tokenizer,
-)
+from tools.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
+from tools.train_common import VAL_EVERY, acceptance_prompts, fit, greedy_acceptance, sample, token_streams
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "default_model"
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "default_model"
+DRAFT_OUT = HERE / "default_draft"
 SHAPE = dict(vocab=8192, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, max_pos=2048)
-CORPUS_BYTES = 64_000_000  # more than the whole filtered stdlib: take every candidate file
-VAL_EVERY = 20  # every 20th file (sorted by path) is held out
+DRAFT_SHAPE = dict(vocab=8192, hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, max_pos=2048)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 SAMPLE_PROMPT = "def fibonacci(n):"
-
-
-def code_only(source: str) -> str:
-    """``source`` without comments and docstrings, re-rendered by ``ast.unparse`` (unparsable: as is).
-
-    A 5M-parameter model trained for minutes learns code much faster than English prose, so the
-    default model sees normalised code only.
-    """
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return source
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                if isinstance(first.value.value, str):
-                    node.body = node.body[1:] or [ast.Pass()]
-    return ast.unparse(tree) + "\n"
-
-
-def token_streams(tok: Tokenizer, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Tokenize the corpus as ``<|bos|> code <|endoftext|>`` documents; return (train, val, n_files)."""
-    files = corpus_files(CORPUS_BYTES)
-    encodings = tok.encode_batch([code_only(read_text(p)) for p in files])
-    train: list[int] = []
-    val: list[int] = []
-    for i, enc in enumerate(encodings):
-        (val if i % VAL_EVERY == VAL_EVERY - 1 else train).extend([*enc.ids, eos_id])
-    return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long), len(files)
-
-
-def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10% of ``peak``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, max_windows: int = 48) -> float:
-    """Mean next-token loss over the first ``max_windows`` non-overlapping windows of ``stream``."""
-    model.eval()
-    n = min(max_windows, len(stream) // seq_len)
-    windows = stream[: n * seq_len].view(n, seq_len)
-    losses = [float(model(input_ids=w, labels=w).loss) for w in windows.split(8)]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-def sample(out_dir: Path, prompt: str, new_tokens: int = 40, temperature: float = 0.0, seed: int = 0) -> str:
-    """Reload the saved folder with transformers and continue ``prompt`` (greedy if temperature is 0)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    torch.manual_seed(seed)
-    options = (
-        dict(do_sample=True, temperature=temperature, top_k=50) if temperature > 0 else dict(do_sample=False)
-    )
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=new_tokens, **options)
-    return tokenizer.decode(out[0], skip_special_tokens=True)
+# (steps, batch, seq_len, lr) when not given: the target's run, and a ~10-minute single-thread draft run
+DEFAULTS = {False: (1100, 4, 256, 3e-3), True: (1400, 4, 256, 3e-3)}
 
 
 def write_readme(out: Path, stats: dict, greedy: str, sampled: str) -> None:
@@ -147,19 +82,77 @@ python -m tools.train_default --steps {s["steps"]} --batch {s["batch"]} --seq-le
     (out / "README.md").write_text(text, encoding="utf-8")
 
 
-def train(out: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int, threads: int) -> dict:
-    """Train the default model and save it into ``out``; returns the run statistics."""
+def write_draft_readme(out: Path, target: Path, stats: dict, greedy: str, accept: dict) -> None:
+    """Describe the draft, its training run, its acceptance rate and a sample in ``out/README.md``."""
+    s, d, a = stats, DRAFT_SHAPE, accept
+    text = f"""# Ember default draft model
+
+The draft model for speculative decoding with Ember's bundled default model (`tools/default_model`,
+the target). A smaller Llama-architecture model (`LlamaForCausalLM`, {s["params"] / 1e6:.2f}M parameters,
+bfloat16, {s["size_bytes"] / 1e6:.1f} MB on disk) trained from scratch on the same Python
+{sys.version_info.major}.{sys.version_info.minor} standard library code, with the same data pipeline and
+validation split as the target. It uses the target's tokenizer unchanged: tokenizer.json,
+tokenizer_config.json and special_tokens_map.json are byte-for-byte copies from `{target.name}/`.
+
+- shape: vocab {d["vocab"]} (the target's BPE), hidden {d["hidden"]}, {d["layers"]} layers,
+  {d["heads"]} heads / {d["kv_heads"]} KV head (GQA, head dim {d["hidden"] // d["heads"]}),
+  intermediate {d["intermediate"]}, tied embeddings, max positions {d["max_pos"]}
+- data: {s["files"]} stdlib `.py` files, comments and docstrings stripped; every {VAL_EVERY}th file
+  held out: {s["train_tokens"]:,} train / {s["val_tokens"]:,} validation tokens
+- training: {s["steps"]} AdamW steps of {s["batch"]} x {s["seq_len"]} tokens
+  ({s["seen_tokens"]:,} tokens seen), peak lr {s["lr"]}, seed {s["seed"]}, {s["threads"]} CPU thread(s),
+  {s["wall_s"] / 60:.1f} min wall time
+- loss: train {s["train_loss"]:.3f} (mean of the last 20 steps), validation {s["val_loss"]:.3f}
+  (validation before training: {s["val_loss0"]:.3f})
+- greedy acceptance against the target: {100 * a["acceptance"]:.1f}% over {a["positions"]} positions
+  ({a["prompts"]} held-out prompts cut from validation files, {a["positions"] // a["prompts"]} greedy
+  float32 target tokens each; the draft's argmax after each target prefix equals the target's token).
+  Greedy speculative decoding with {a["k"]} proposals would yield {a["tokens_per_step"]:.2f} tokens
+  per target step. (Target self-agreement on the same check: {100 * a["target_self_agreement"]:.1f}%.)
+
+Greedy continuation of `{SAMPLE_PROMPT}` (40 new tokens, transformers `generate`):
+
+```python
+{greedy}
+```
+
+Regenerate (deterministic for a given seed and thread count; reads the target's tokenizer):
+
+```
+python -m tools.train_default --draft --steps {s["steps"]} --batch {s["batch"]} --seq-len {s["seq_len"]} \\
+    --lr {s["lr"]} --seed {s["seed"]} --threads {s["threads"]}
+```
+"""
+    (out / "README.md").write_text(text, encoding="utf-8")
+
+
+def train(
+    out: Path,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    threads: int,
+    draft_of: Path | None = None,
+) -> dict:
+    """Train the default model (or with ``draft_of`` a draft for that target) into ``out``; return stats."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
     torch.set_num_threads(threads)
     start = time.time()
-    tok = train_tokenizer(SHAPE["vocab"])
+    shape = DRAFT_SHAPE if draft_of is not None else SHAPE
+    if draft_of is None:
+        tok = train_tokenizer(shape["vocab"])
+    else:
+        tok = Tokenizer.from_file(str(draft_of / "tokenizer.json"))
+        if tok.get_vocab_size() != shape["vocab"]:
+            raise ValueError(
+                f"{draft_of} has a {tok.get_vocab_size()}-token vocabulary, not {shape['vocab']}"
+            )
     ids = special_token_ids(tok)
     train_ids, val_ids, n_files = token_streams(tok, ids["eos"])
     print(f"corpus: {n_files} files, {len(train_ids):,} train / {len(val_ids):,} val tokens", flush=True)
-    shape = {
-        k: SHAPE[k] for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "max_pos")
-    }
     config = make_config(
         "llama",
         **shape,
@@ -172,33 +165,9 @@ def train(out: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float().train()
-    params = sum(p.numel() for p in model.parameters())
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
-    gen = torch.Generator().manual_seed(seed)
-    val_loss0 = evaluate(model, val_ids, seq_len)
-    print(f"params {params:,}; initial val loss {val_loss0:.3f}", flush=True)
-    recent: list[float] = []
-    warmup = max(1, min(30, steps // 10))
-    for step in range(steps):
-        starts = torch.randint(0, len(train_ids) - seq_len, (batch,), generator=gen)
-        x = torch.stack([train_ids[s : s + seq_len] for s in starts.tolist()])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        recent = (recent + [loss.item()])[-20:]
-        if step % 25 == 0 or step == steps - 1:
-            rate = (step + 1) * batch * seq_len / (time.time() - start)
-            print(f"step {step:4d} loss {recent[-1]:.3f} ({rate:,.0f} tok/s overall)", flush=True)
-    val_loss = evaluate(model, val_ids, seq_len)
-    train_loss = sum(recent) / len(recent)
-    print(f"final train loss {train_loss:.3f}, val loss {val_loss:.3f}", flush=True)
+    losses = fit(
+        model, train_ids, val_ids, steps=steps, batch=batch, seq_len=seq_len, lr=lr, seed=seed, start=start
+    )
 
     if out.exists():
         for stale in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:
@@ -209,10 +178,14 @@ def train(out: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int,
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=eos_ids, pad_token_id=ids["pad"]).save_pretrained(
         out
     )
-    save_hf_tokenizer(tok, out, model_max_length=SHAPE["max_pos"])
+    if draft_of is None:
+        save_hf_tokenizer(tok, out, model_max_length=shape["max_pos"])
+    else:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(draft_of / name, out / name)
     wall = time.time() - start
     return dict(
-        params=params,
+        **losses,
         files=n_files,
         train_tokens=len(train_ids),
         val_tokens=len(val_ids),
@@ -224,9 +197,7 @@ def train(out: Path, steps: int, batch: int, seq_len: int, lr: float, seed: int,
         seed=seed,
         threads=threads,
         wall_s=wall,
-        train_loss=train_loss,
-        val_loss=val_loss,
-        val_loss0=val_loss0,
+        size_bytes=sum(p.stat().st_size for p in out.glob("*.safetensors")),
     )
 
 
@@ -234,24 +205,41 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point for ``python -m tools.train_default``."""
     parser = argparse.ArgumentParser(prog="python -m tools.train_default", description=__doc__)
     parser.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})"
+        "--draft", action="store_true", help="train the draft model for --target (default out: default_draft)"
     )
-    parser.add_argument("--steps", type=int, default=1100)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--target", type=Path, default=DEFAULT_OUT, help="the draft's target folder")
+    parser.add_argument("--out", type=Path, default=None, help=f"output folder (default {DEFAULT_OUT.name})")
+    parser.add_argument("--steps", type=int, default=None, help="default 1100 (draft: 1400)")
+    parser.add_argument("--batch", type=int, default=None, help="default 4")
+    parser.add_argument("--seq-len", type=int, default=None, help="default 256")
+    parser.add_argument("--lr", type=float, default=None, help="default 3e-3")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-readme", action="store_true", help="skip the sample and README.md")
+    parser.add_argument("--accept-prompts", type=int, default=20, help="draft: held-out prompts to check")
+    parser.add_argument("--accept-tokens", type=int, default=64, help="draft: greedy tokens per prompt")
+    parser.add_argument("--no-readme", action="store_true", help="skip the samples, checks and README.md")
     args = parser.parse_args(argv)
-    stats = train(args.out, args.steps, args.batch, args.seq_len, args.lr, args.seed, args.threads)
+    out = args.out or (DRAFT_OUT if args.draft else DEFAULT_OUT)
+    given = (args.steps, args.batch, args.seq_len, args.lr)
+    steps, batch, seq_len, lr = (g if g is not None else d for g, d in zip(given, DEFAULTS[args.draft]))
+    target = args.target if args.draft else None
+    stats = train(out, steps, batch, seq_len, lr, args.seed, args.threads, draft_of=target)
     if not args.no_readme:
-        greedy = sample(args.out, SAMPLE_PROMPT)
-        sampled = sample(args.out, SAMPLE_PROMPT, new_tokens=60, temperature=0.7, seed=args.seed)
-        print(f"greedy sample:\n{greedy}\n\nsampled (T=0.7):\n{sampled}", flush=True)
-        write_readme(args.out, stats, greedy, sampled)
-    size = sum(p.stat().st_size for p in args.out.iterdir()) / 1e6
-    print(f"wrote {args.out} ({size:.1f} MB) in {(stats['wall_s']) / 60:.1f} min", flush=True)
+        greedy = sample(out, SAMPLE_PROMPT)
+        print(f"greedy sample:\n{greedy}\n", flush=True)
+        if target is not None:
+            prompts = acceptance_prompts(
+                Tokenizer.from_file(str(target / "tokenizer.json")), args.accept_prompts, 96
+            )
+            accept = greedy_acceptance(target, out, prompts, new_tokens=args.accept_tokens)
+            print(f"greedy acceptance vs {target.name}: {accept}", flush=True)
+            write_draft_readme(out, target, stats, greedy, accept)
+        else:
+            sampled = sample(out, SAMPLE_PROMPT, new_tokens=60, temperature=0.7, seed=args.seed)
+            print(f"sampled (T=0.7):\n{sampled}", flush=True)
+            write_readme(out, stats, greedy, sampled)
+    size = sum(p.stat().st_size for p in out.iterdir()) / 1e6
+    print(f"wrote {out} ({size:.1f} MB) in {(stats['wall_s']) / 60:.1f} min", flush=True)
     return 0
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from coreproc.logits_processors import LogitsProcessor, Row
 from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
@@ -64,12 +65,13 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         seed: int = 0,
+        processors: list[LogitsProcessor] | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, processors)
         self.requests: dict[str, RequestState] = {}
 
     def update_states(self, out: SchedulerOutput) -> None:
@@ -128,11 +130,6 @@ class ModelRunner:
         return output
 
     def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
-        banned = []
-        for s in states:
-            p = s.params
-            below_min = len(s.output_ids) < p.min_tokens
-            banned.append(([] if p.ignore_eos else s.eos_ids) + p.stop_token_ids if below_min else [])
         return SamplingBatch(
             temperature=[s.params.temperature for s in states],
             top_k=[s.params.top_k for s in states],
@@ -145,7 +142,7 @@ class ModelRunner:
             repetition_penalty=[s.params.repetition_penalty for s in states],
             prompt_ids=[s.prompt_ids for s in states],
             output_ids=[s.output_ids for s in states],
-            banned_ids=banned,
+            rows=[Row(i, s.params, s.prompt_ids, s.output_ids, s.eos_ids) for i, s in enumerate(states)],
             max_num_logprobs=max((s.params.logprobs or 0) for s in states),
         )
 

@@ -1,7 +1,8 @@
 """Turns a batch of next-token logits into sampled tokens and their logprobs.
 
-Runs in worker processes, after the model's logits. Order: raw logprobs (what callers see) -> min_tokens
-mask -> repetition / frequency / presence penalties -> greedy argmax, or temperature, top-k, top-p,
+Runs in worker processes, after the model's logits. Order: raw logprobs (what callers see) -> logits
+processors (built-ins: logit_bias, allowed_token_ids, bad_words, min_tokens; then third-party ones)
+-> repetition / frequency / presence penalties -> greedy argmax, or temperature, top-k, top-p,
 min-p and an exponential race (Gumbel-max) draw. A seeded request draws its noise from a generator keyed
 by (seed, output position), so its tokens do not depend on what else is in the batch or on preemption.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from coreproc.logits_processors import LogitsProcessor, Row
 
 _MASK64 = (1 << 64) - 1
 
@@ -38,7 +41,7 @@ class SamplingBatch:
     repetition_penalty: list[float]
     prompt_ids: list[list[int]]
     output_ids: list[list[int]]
-    banned_ids: list[list[int]]  # EOS / stop ids masked while below min_tokens
+    rows: list[Row]  # what logits processors see, one per row
     max_num_logprobs: int  # top-N alternatives wanted by the most demanding row (0: none)
 
 
@@ -54,14 +57,18 @@ class SamplerResult:
 class Sampler:
     """Stateless apart from the generator used for unseeded requests."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(
+        self, device: torch.device, seed: int = 0, processors: list[LogitsProcessor] | None = None
+    ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.processors = processors or []
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
         raw = torch.log_softmax(logits.float(), dim=-1)
-        logits = self._apply_penalties(logits.float().clone(), batch)
+        logits = self.apply_processors(logits.float().clone(), batch.rows)
+        logits = self._apply_penalties(logits, batch)
         sampled = self._sample(logits, batch)
         sampled_logprob = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)
         rank = (raw > sampled_logprob.unsqueeze(1)).sum(dim=1) + 1
@@ -69,11 +76,16 @@ class Sampler:
         top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], sampled.new_empty(len(sampled), 0))
         return SamplerResult(sampled, sampled_logprob, rank, top_ids, top_lp)
 
+    def apply_processors(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
+        """Each processor over the rows whose request uses it (batched per processor)."""
+        for proc in self.processors:
+            active = [row for row in rows if proc.is_active(row.params)]
+            if active:
+                logits = proc.apply(logits, active)
+        return logits
+
     def _apply_penalties(self, logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         n, vocab = logits.shape
-        for row, banned in enumerate(b.banned_ids):
-            if banned:
-                logits[row, [t for t in banned if t < vocab]] = float("-inf")
         if any(p != 1.0 for p in b.repetition_penalty):
             seen = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
             for row in range(n):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from coreproc.config import ConfigError, EngineConfig
+from coreproc.logits_processors import ProcessorContext, load_processors, processor_specs
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
 from workers.loader import build_model
@@ -143,7 +144,11 @@ class Worker:
             quant_seconds,
             self.backend.name,
         )
-        self.runner = ModelRunner(model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed)
+        ctx = ProcessorContext(cfg.model.vocab_size, cfg.model.max_model_len, str(self.device))
+        processors = load_processors(processor_specs(cfg.logits_processors), ctx)
+        self.runner = ModelRunner(
+            model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, processors
+        )
         return WorkerReady(
             rank=self.tp.rank,
             num_kv_blocks=num_blocks,
