@@ -264,6 +264,51 @@ class LoadConfig:
             )
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: how tokens are proposed and how many per step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1  # n-gram: shortest suffix to match
+    prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
+    model: str | None = None  # draft_model: the draft checkpoint (same tokenizer as the target)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(
+                f"unknown speculative method {self.method!r}; choose one of {', '.join(SPEC_METHODS)}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.method == "draft_model":
+            raise ConfigError(
+                "speculative method 'draft_model' is not available yet in this version; use 'ngram'"
+            )
+
+    @classmethod
+    def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
+        """From `--speculative-config` JSON (or a dict); unknown keys are an error naming them."""
+        if text is None or text == "":
+            return None
+        try:
+            raw = json.loads(text) if isinstance(text, str) else dict(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown speculative-config key {unknown[0]!r}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**raw)
+
+
 @dataclass(frozen=True)
 class DeviceConfig:
     """Where workers run and which attention backend they use (None: chosen by device)."""
@@ -295,6 +340,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     logits_processors: tuple[str, ...] = ()  # extra module:Class processors (built-ins always load)
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def create(
@@ -330,6 +376,7 @@ class EngineConfig:
         socket_dir: str | None = None,
         preload_wait_timeout: float = 0.0,
         logits_processors: tuple[str, ...] | list[str] = (),
+        speculative_config: str | dict | None = None,
     ) -> EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
         device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
@@ -349,6 +396,9 @@ class EngineConfig:
 
             ctx = ProcessorContext(model_cfg.vocab_size, model_cfg.max_model_len)
             load_processors(processor_specs(tuple(logits_processors)), ctx)
+        speculative = SpeculativeConfig.parse(speculative_config)
+        if speculative is not None:  # verification needs each step's tokens before the next is planned
+            async_scheduling = False
         if long_prefill_token_threshold is None:  # default: 4% of the context, at least one block
             long_prefill_token_threshold = max(block_size, model_cfg.max_model_len // 25)
         return cls(
@@ -382,6 +432,7 @@ class EngineConfig:
                 load_format=load_format, socket_dir=socket_dir, preload_wait_timeout=preload_wait_timeout
             ),
             logits_processors=tuple(logits_processors),
+            speculative=speculative,
         )
 
     @property

@@ -81,7 +81,7 @@ class CoreServer:
         executor = MultiprocExecutor(config, runtime_dir)
         executor.serve_while_waiting(self.sock, lambda: self._drain(0), lambda: self.engine.check_stall())
         self.engine = EngineCore(config, executor)
-        overlapped = config.scheduler.async_scheduling
+        overlapped = config.scheduler.async_scheduling and config.speculative is None
         self._step = self.engine.step_overlapped if overlapped else self.engine.step
         self.owner: dict[str, bytes] = {}  # request id -> client identity
         self._admitted: list[EngineOutput] = []  # acknowledgements to send after this drain

@@ -172,6 +172,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     num_scheduled_tokens: dict[str, int] = {}
     total_num_scheduled_tokens: int = 0
     finished_req_ids: list[str] = []
+    # proposed tokens to verify, per request; they are the last len(...) of its scheduled tokens
+    spec_token_ids: dict[str, list[int]] = {}
 
 
 # ----------------------------------------------------------------------------- workers -> core

@@ -63,6 +63,7 @@ class Request:
         self.num_preemptions = 0
         # tokens being sampled by a step still in flight (overlapped scheduling); their ids are unknown
         self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []  # proposed continuation to verify in the next step
 
     @property
     def num_tokens(self) -> int:

@@ -9,12 +9,12 @@ gets all of it. When blocks run out a running request is preempted by recompute 
 queued again at the front), so a waiting request never holds blocks and none waits behind a request
 that holds none. New requests beyond `max_num_queued_*` raise `QueueFull`.
 `update_from_output` appends sampled tokens, applies stop conditions and frees finished requests.
+With speculative decoding (n-gram), a decoding request also carries proposed tokens
+(`SchedulerOutput.spec_token_ids`); blocks and computed tokens cover them until the workers report
+how many were kept, and the rest are rolled back (see `coreproc/spec_decode.py`).
 """
 
 from __future__ import annotations
-
-import bisect
-from collections import OrderedDict
 
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
@@ -25,52 +25,12 @@ from coreproc.protocol import (
     EngineRequest,
     InvalidParam,
     NewRequestData,
-    QueueFull,
     RunnerOutput,
     SchedulerOutput,
 )
 from coreproc.request import Request, RequestStatus
-
-MAX_OPEN_GROUPS = 4096
-MAX_GROUP_SIZE = 1024
-
-
-class WaitingQueue:
-    """Requests not running, ordered by policy key; preempted requests keep their place at the front."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._items: list[tuple[tuple, Request]] = []
-        self._tokens: dict[str, int] = {}  # tokens each queued request will compute
-        self.num_tokens = 0
-
-    def _key(self, req: Request) -> tuple:
-        if self.policy == "priority":
-            return (req.priority, req.arrival_time, req.arrival_seq)
-        return (req.arrival_seq,)
-
-    def add(self, req: Request) -> None:
-        bisect.insort(self._items, (self._key(req), req), key=lambda item: item[0])
-        self._tokens[req.request_id] = req.num_tokens
-        self.num_tokens += req.num_tokens
-
-    def peek(self) -> Request:
-        return self._items[0][1]
-
-    def pop(self) -> Request:
-        req = self._items.pop(0)[1]
-        self.num_tokens -= self._tokens.pop(req.request_id)
-        return req
-
-    def remove(self, req: Request) -> None:
-        self._items.remove((self._key(req), req))
-        self.num_tokens -= self._tokens.pop(req.request_id)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __iter__(self):
-        return (req for _, req in self._items)
+from coreproc.spec_decode import SpecStats, propose_ngram
+from coreproc.waiting import WaitingQueue
 
 
 class Scheduler:
@@ -97,8 +57,9 @@ class Scheduler:
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self._forget: list[str] = []  # requests workers must drop at the next step
-        self._groups: OrderedDict[str, int] = OrderedDict()  # admitted groups -> members still to come
         self._arrivals = 0
+        self.spec = config.speculative
+        self.spec_stats = SpecStats()
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -124,44 +85,12 @@ class Scheduler:
             raise InvalidParam(f"LoRA adapter {name!r}: no adapters are loaded in this engine", "lora")
         if er.mm_refs:
             raise InvalidParam("this engine's model takes no multimodal input", "messages")
-        self._admit_group(er)
+        sc = self.config.scheduler
+        self.waiting.admit(er, sc.max_num_queued_requests, sc.max_num_queued_tokens)
         req = Request(er, self._arrivals)
         self._arrivals += 1
         self.requests[req.request_id] = req
         self.waiting.add(req)
-
-    def _admit_group(self, er: EngineRequest) -> None:
-        """Queue limits apply to a whole group (all sequences of one API request) at its first member."""
-        if er.group is not None and er.group in self._groups:
-            self._groups[er.group] -= 1
-            if self._groups[er.group] <= 0:
-                del self._groups[er.group]
-            return
-        size = er.group_size
-        if not 1 <= size <= MAX_GROUP_SIZE:
-            raise InvalidParam(f"group_size must be in [1, {MAX_GROUP_SIZE}]", "group_size")
-        self._check_queue(len(er.prompt_token_ids) * size, size)
-        if er.group is not None and size > 1:
-            self._groups[er.group] = size - 1
-            while len(self._groups) > MAX_OPEN_GROUPS:  # members that never came (a failed submit)
-                self._groups.popitem(last=False)
-
-    def _check_queue(self, num_tokens: int, num_requests: int = 1) -> None:
-        """Refuse new work when the waiting queue is at a limit (an empty queue always takes one)."""
-        sc = self.config.scheduler
-        if not self.waiting:
-            return
-        if (
-            sc.max_num_queued_requests is not None
-            and len(self.waiting) + num_requests > sc.max_num_queued_requests
-        ):
-            raise QueueFull(f"the engine's queue is full ({len(self.waiting)} requests waiting); retry later")
-        limit = sc.max_num_queued_tokens
-        if limit is not None and self.waiting.num_tokens + num_tokens > limit:
-            raise QueueFull(
-                f"the engine's queue is full ({self.waiting.num_tokens} prompt tokens waiting, "
-                f"limit {limit}); retry later"
-            )
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort at once: blocks freed, workers told to forget; unknown ids are ignored."""
@@ -212,6 +141,39 @@ class Scheduler:
             req.in_workers = False
         self.waiting.add(req)
 
+    def _schedule_spec(
+        self,
+        req: Request,
+        budget: int,
+        scheduled: dict[str, int],
+        new_blocks: dict[str, list[int]],
+        spec_tokens: dict[str, list[int]],
+    ) -> int:
+        """Add a decoding request's proposed tokens to its step if budget, length limits and blocks
+        allow (never past max_tokens or max_model_len); returns the tokens added."""
+        params = req.sampling_params
+        room = self.max_model_len - req.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - req.num_output_tokens - 1)
+        k = min(len(req.spec_token_ids), budget, room)
+        if k <= 0:
+            return 0
+        extra = self.kv.allocate_slots(req, 1 + k)  # blocks for the last token and the proposals
+        if extra is None:
+            return 0
+        spec_tokens[req.request_id] = req.spec_token_ids[:k]
+        scheduled[req.request_id] += k
+        new_blocks[req.request_id] += extra
+        return k
+
+    def _propose(self, req: Request) -> None:
+        spec = self.spec
+        if spec is None or spec.method != "ngram":
+            return
+        req.spec_token_ids = propose_ngram(
+            req.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        )
+
     def _prefill_share(self) -> int | None:
         """Tokens a long prefill may take this step when several prefills compete (None: no cap)."""
         if not self.long_prefill:
@@ -251,6 +213,7 @@ class Scheduler:
         new_blocks: dict[str, list[int]] = {}
         preempted = False
         share = self._prefill_share()
+        spec_tokens: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -278,6 +241,8 @@ class Scheduler:
             new_blocks[req.request_id] = ids
             budget -= n
             i += 1
+            if req.spec_token_ids and n == 1:
+                budget -= self._schedule_spec(req, budget, scheduled, new_blocks, spec_tokens)
 
         admitted: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
@@ -301,6 +266,7 @@ class Scheduler:
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=self._forget,
+            spec_token_ids=spec_tokens,
         )
         self._forget = []
         for req in self.running:
@@ -324,9 +290,11 @@ class Scheduler:
                     )
                 )
                 req.in_workers = True
-            req.num_computed_tokens += n
+            num_spec = len(spec_tokens.get(req.request_id, ()))
+            req.num_computed_tokens += n - num_spec
             if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
                 req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
+            req.num_computed_tokens += num_spec  # rolled back in update_from_output for rejected ones
         self.num_steps += 1
         return out
 
@@ -374,7 +342,12 @@ class Scheduler:
                 prompt_lps = self._new_prompt_logprobs(req, prompt_lps, start)
             status = None
             accepted = 0
-            req.num_output_placeholders = max(0, req.num_output_placeholders - len(tokens))
+            proposed = len(sched.spec_token_ids.get(rid, ()))
+            if proposed:  # drafts rejected: their KV positions are recomputed from the right tokens
+                kept = max(0, len(tokens) - 1)
+                req.num_computed_tokens -= proposed - kept
+                self.spec_stats.record(proposed, kept)
+            req.num_output_placeholders = max(0, req.num_output_placeholders - min(1, len(tokens)))
             for token in tokens:
                 req.append_output_token(token)
                 accepted += 1
@@ -384,6 +357,8 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
+            elif tokens and self.spec is not None:
+                self._propose(req)
             if accepted or status is not None or prompt_lps:
                 outputs.append(
                     EngineOutput(
@@ -413,6 +388,7 @@ class Scheduler:
             "prefix_cache_hits": self.kv.hits,
             "prefix_cache_hit_rate": self.kv.hit_rate,
             "num_queued_tokens": self.waiting.num_tokens,
+            **(self.spec_stats.as_dict() if self.spec is not None else {}),
         }
 
     def describe(self, limit: int = 8) -> dict:

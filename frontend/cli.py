@@ -82,6 +82,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="MODULE:CLASS",
         help="extra logits processors (built-ins and ember.logits_processors entry points always load)",
     )
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
+    )
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
 
@@ -119,6 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         device=args.device,
         attention_backend=args.attention_backend,
         logits_processors=tuple(args.logits_processors),
+        speculative_config=args.speculative_config,
     )
 
 

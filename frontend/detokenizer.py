@@ -35,8 +35,10 @@ class IncrementalDetokenizer:
         self._sent = 0
 
     def update(self, token_ids: list[int]) -> str | None:
-        """Append tokens; returns the stop string if one now appears (the text is then truncated)."""
-        for token in token_ids:
+        """Append tokens; returns the stop string if one now appears (the text is then truncated, and
+        `tokens_used` says how many of `token_ids` it took: tokens after the stop do not count)."""
+        self.tokens_used = len(token_ids)
+        for i, token in enumerate(token_ids):
             piece = self._stream.step(self._backend, token)
             if not piece:
                 continue
@@ -44,6 +46,7 @@ class IncrementalDetokenizer:
             if self.stops:
                 hit = self._find_stop(len(piece))
                 if hit is not None:
+                    self.tokens_used = i + 1
                     return hit
         return None
 

@@ -50,12 +50,23 @@ _ENGINE_GAUGES = {
         "Share of looked-up prompt tokens found in the prefix cache since the engine started, 0 to 1.",
     ),
     "num_queued_tokens": ("ember_num_queued_prompt_tokens", "Prompt tokens of the requests waiting."),
+    "spec_acceptance_rate": (
+        "ember_spec_decode_acceptance_rate",
+        "Speculative decoding: accepted / proposed tokens since the engine started.",
+    ),
+    "spec_mean_accepted_length": (
+        "ember_spec_decode_mean_accepted_length",
+        "Speculative decoding: tokens produced per verification step (1 + accepted proposals).",
+    ),
 }
 # Cumulative "stats" keys mirrored as counters (prometheus_client appends `_total` to the name).
 _ENGINE_COUNTERS = {
     "num_preemptions": ("ember_num_preemptions", "Requests preempted by the engine (KV cache full)."),
     "prefix_cache_queries": ("ember_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("ember_prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "spec_num_drafts": ("ember_spec_decode_num_drafts", "Speculative decoding: verification steps."),
+    "spec_num_proposed": ("ember_spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens."),
+    "spec_num_accepted": ("ember_spec_decode_num_accepted_tokens", "Speculative decoding: accepted tokens."),
 }
 
 
@@ -109,6 +120,12 @@ class EngineMetrics:
             "Seconds from admission to the end of a request.",
             E2E_BUCKETS,
         )
+        self._spec_position = Gauge(
+            "ember_spec_decode_acceptance_rate_per_position",
+            "Speculative decoding: acceptance rate of the proposed token at each position.",
+            [*labels, "position"],
+            registry=reg,
+        )
         self._gauges = {
             key: Gauge(name, doc, labels, registry=reg).labels(model_name)
             for key, (name, doc) in _ENGINE_GAUGES.items()
@@ -138,6 +155,9 @@ class EngineMetrics:
         for key, gauge in self._gauges.items():
             if key in stats:
                 gauge.set(stats[key])
+        proposed = stats.get("spec_proposed_per_position", [])
+        for pos, (acc, prop) in enumerate(zip(stats.get("spec_accepted_per_position", []), proposed)):
+            self._spec_position.labels(self.model_name, str(pos)).set(acc / prop if prop else 0.0)
         for key, counter in self._mirrored.items():
             if key not in stats:
                 continue

@@ -198,12 +198,14 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, eo.num_cached_tokens)
             if eo.new_prompt_logprobs and parent.prompt_logprobs is not None:
                 parent.prompt_logprobs.extend(self._convert(eo.new_prompt_logprobs))
-            out.token_ids.extend(eo.new_token_ids)
-            out.cumulative_logprob += sum(lp.logprobs[0] for lp in eo.new_logprobs)
-            new_lps = self._convert(eo.new_logprobs) if seq.want_logprobs else None
+            stop = seq.detok.update(eo.new_token_ids)
+            used = seq.detok.tokens_used  # several tokens in one output (speculation): none past a stop
+            new_ids, new_raw_lps = eo.new_token_ids[:used], eo.new_logprobs[:used]
+            out.token_ids.extend(new_ids)
+            out.cumulative_logprob += sum(lp.logprobs[0] for lp in new_raw_lps)
+            new_lps = self._convert(new_raw_lps) if seq.want_logprobs else None
             if new_lps is not None:
                 out.logprobs.extend(new_lps)
-            stop = seq.detok.update(eo.new_token_ids)
             if stop is not None:
                 out.finish_reason, out.stop_reason = "stop", stop
                 if not eo.finished:
@@ -219,7 +221,7 @@ class OutputProcessor:
                     parent.request_id,
                     seq.index,
                     text,
-                    list(eo.new_token_ids),
+                    list(new_ids),
                     new_lps,
                     out.finish_reason,
                     out.stop_reason,

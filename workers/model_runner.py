@@ -35,9 +35,13 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token(self, i: int) -> int:
+    def token(self, i: int, spec: list[int] = ()) -> int:
+        """Token at position i; positions past the known tokens are proposed (speculative) ones."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+        if i < n:
+            return self.prompt_ids[i]
+        i -= n
+        return self.output_ids[i] if i < len(self.output_ids) else spec[i - len(self.output_ids)]
 
 
 def _logprob_entries(
@@ -102,11 +106,12 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         q_lens = [out.num_scheduled_tokens[r] for r in req_ids]
         seq_lens = [s.num_computed_tokens + q for s, q in zip(states, q_lens)]
+        specs = [out.spec_token_ids.get(r, []) for r in req_ids]
         input_ids: list[int] = []
         positions: list[int] = []
-        for s, q, end in zip(states, q_lens, seq_lens):
+        for s, q, end, spec in zip(states, q_lens, seq_lens, specs):
             start = end - q
-            input_ids.extend(s.token(i) for i in range(start, end))
+            input_ids.extend(s.token(i, spec) for i in range(start, end))
             positions.extend(range(start, end))
         meta = AttentionMetadata.build(
             q_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device
@@ -118,31 +123,42 @@ class ModelRunner:
             meta,
         )
         ends = meta.query_start_loc_cpu[1:]
-        sample_rows = [i for i, (s, end) in enumerate(zip(states, seq_lens)) if end == s.num_tokens]
+        # a request samples when its chunk reaches its last token: one row for that position, plus one
+        # per proposed token (verification); row j sees the output as if proposals < j were accepted
+        sample_rows = [
+            i for i, (s, end) in enumerate(zip(states, seq_lens)) if end == s.num_tokens + len(specs[i])
+        ]
         result = None
         if sample_rows:
-            logits = self.model.compute_logits(hidden[[ends[i] - 1 for i in sample_rows]])
-            result = self.sampler(logits, self._sampling_batch([states[i] for i in sample_rows]))
-        output = self._collect(req_ids, states, sample_rows, result)
+            positions_at = [
+                ends[i] - 1 - len(specs[i]) + j for i in sample_rows for j in range(len(specs[i]) + 1)
+            ]
+            views = [(states[i], specs[i][:j]) for i in sample_rows for j in range(len(specs[i]) + 1)]
+            logits = self.model.compute_logits(hidden[positions_at])
+            result = self.sampler(logits, self._sampling_batch(views))
+        output = self._collect(req_ids, states, specs, sample_rows, result)
         output.prompt_logprobs = self._prompt_logprobs(req_ids, states, q_lens, seq_lens, hidden, meta)
-        for s, q in zip(states, q_lens):
-            s.num_computed_tokens += q
+        for s, q, spec, tokens in zip(states, q_lens, specs, output.sampled_token_ids):
+            s.num_computed_tokens += q - (len(spec) - max(0, len(tokens) - 1) if spec else 0)
         return output
 
-    def _sampling_batch(self, states: list[RequestState]) -> SamplingBatch:
+    def _sampling_batch(self, views: list[tuple[RequestState, list[int]]]) -> SamplingBatch:
+        """One row per (request, accepted proposals before this position)."""
+        outs = [s.output_ids + extra if extra else s.output_ids for s, extra in views]
+        states = [s for s, _ in views]
         return SamplingBatch(
             temperature=[s.params.temperature for s in states],
             top_k=[s.params.top_k for s in states],
             top_p=[s.params.top_p for s in states],
             min_p=[s.params.min_p for s in states],
             seeds=[s.params.seed for s in states],
-            output_positions=[len(s.output_ids) for s in states],
+            output_positions=[len(o) for o in outs],
             presence_penalty=[s.params.presence_penalty for s in states],
             frequency_penalty=[s.params.frequency_penalty for s in states],
             repetition_penalty=[s.params.repetition_penalty for s in states],
             prompt_ids=[s.prompt_ids for s in states],
-            output_ids=[s.output_ids for s in states],
-            rows=[Row(i, s.params, s.prompt_ids, s.output_ids, s.eos_ids) for i, s in enumerate(states)],
+            output_ids=outs,
+            rows=[Row(i, s.params, s.prompt_ids, o, s.eos_ids) for i, (s, o) in enumerate(zip(states, outs))],
             max_num_logprobs=max((s.params.logprobs or 0) for s in states),
         )
 
@@ -150,9 +166,12 @@ class ModelRunner:
         self,
         req_ids: list[str],
         states: list[RequestState],
+        specs: list[list[int]],
         sample_rows: list[int],
         result: SamplerResult | None,
     ) -> RunnerOutput:
+        """Per request: the sampled token, or with proposals, those equal to the target's own sample
+        at their position, then the target's token at the first difference (or after the last)."""
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[TokenLogprobs]] = [[] for _ in req_ids]
         if result is not None:
@@ -163,12 +182,18 @@ class ModelRunner:
                 tokens,
                 result.sampled_logprob.tolist(),
                 result.sampled_rank.tolist(),
-                [states[i].params.logprobs or 0 for i in sample_rows],
+                [states[i].params.logprobs or 0 for i in sample_rows for _ in range(len(specs[i]) + 1)],
             )
-            for j, i in enumerate(sample_rows):
-                sampled[i] = [tokens[j]]
-                logprobs[i] = [entries[j]]
-                states[i].output_ids.append(tokens[j])
+            row = 0
+            for i in sample_rows:
+                spec = specs[i]
+                kept = 0
+                while kept < len(spec) and tokens[row + kept] == spec[kept]:
+                    kept += 1
+                sampled[i] = tokens[row : row + kept + 1]
+                logprobs[i] = entries[row : row + kept + 1]
+                states[i].output_ids.extend(sampled[i])
+                row += len(spec) + 1
         return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
     def _prompt_logprobs(

@@ -1,0 +1,168 @@
+"""Speculative decoding (n-gram): the proposer, the scheduler's bookkeeping, and outputs against the
+engine without speculation — greedy and seeded token for token, stop conditions inside an accepted
+run, and a chi-square test that unseeded sampling keeps the target distribution.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from coreproc import LLM, SamplingParams
+from coreproc.config import ConfigError, SpeculativeConfig
+from coreproc.protocol import EngineRequest
+from coreproc.scheduler import Scheduler
+from coreproc.spec_decode import SpecStats, propose_ngram
+from tests.sched_util import fake_runner_output, make_config
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+
+
+@pytest.mark.unit
+def test_ngram_proposer():
+    assert propose_ngram([1, 2, 3, 4, 1, 2], k=3, n_min=1, n_max=3) == [3, 4, 1]
+    assert propose_ngram([5, 1, 2, 9, 1, 2, 7, 1, 2], k=2, n_min=1, n_max=2) == [7, 1]  # the latest match
+    assert propose_ngram([1, 2, 3], k=3, n_min=1, n_max=3) == []
+    assert propose_ngram([7, 7, 7], k=2, n_min=1, n_max=2) == [7]  # overlapping occurrence
+    assert propose_ngram([4, 9, 1, 4, 2, 1], k=2, n_min=2, n_max=3) == []  # only 1-grams match
+    stats = SpecStats()
+    stats.record(3, 1)
+    stats.record(2, 2)
+    stats.record(0, 0)
+    d = stats.as_dict()
+    assert (d["spec_num_drafts"], d["spec_num_proposed"], d["spec_num_accepted"]) == (2, 5, 3)
+    assert d["spec_accepted_per_position"] == [2, 1, 0] and d["spec_proposed_per_position"] == [2, 2, 1]
+    assert d["spec_mean_accepted_length"] == 2.5
+
+
+@pytest.mark.unit
+def test_config_parsing():
+    assert SpeculativeConfig.parse(NGRAM).num_speculative_tokens == 4
+    for bad, msg in (
+        ("{", "not valid JSON"),
+        ('{"method": "x"}', "unknown speculative method"),
+        ('{"k": 1}', "unknown speculative-config key"),
+        ('{"num_speculative_tokens": 0}', r"in \[1, 16\]"),
+    ):
+        with pytest.raises(ConfigError, match=msg):
+            SpeculativeConfig.parse(bad)
+
+
+@pytest.mark.unit
+def test_scheduler_verifies_proposals_and_rolls_back_rejected_ones():
+    sched = Scheduler(make_config(budget=64, spec_k=3), num_kv_blocks=40)
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    sched.add_request(
+        EngineRequest(request_id="a", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=20))
+    )
+    out = sched.schedule()
+    from coreproc.protocol import RunnerOutput, TokenLogprobs
+
+    sched.update_from_output(out, RunnerOutput(["a"], [[5]], [[TokenLogprobs([5], [0.0], 1)]]))
+    req = sched.requests["a"]
+    assert req.spec_token_ids == [6, 3, 4]  # ... 3 4 5 -> what followed "4 5" before
+    out = sched.schedule()
+    assert out.spec_token_ids == {"a": [6, 3, 4]} and out.num_scheduled_tokens == {"a": 4}
+    assert req.num_computed_tokens == 11 + 3
+    # the target keeps 6 and 3, then says 9: three tokens come out, KV for one proposal is recomputed
+    lps = [[TokenLogprobs([t], [0.0], 1) for t in (6, 3, 9)]]
+    (o,) = sched.update_from_output(out, RunnerOutput(["a"], [[6, 3, 9]], lps))
+    assert o.new_token_ids == [6, 3, 9] and req.num_computed_tokens == req.num_tokens - 1 == 13
+    assert sched.stats()["spec_num_accepted"] == 2 and sched.stats()["spec_num_proposed"] == 3
+    rng = random.Random(0)
+    while sched.has_unfinished_requests():  # proposals never run past max_tokens
+        out = sched.schedule()
+        sched.update_from_output(out, fake_runner_output(sched, out, rng))
+    assert sched.kv.num_blocks_in_use() == 0
+
+
+@pytest.fixture(scope="module")
+def llama(make_ckpt) -> str:
+    return str(make_ckpt("llama"))
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 60) for _ in range(5)] * (2 + i % 3) for i in range(n)]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("batch", [1, 4, 10])
+@pytest.mark.parametrize(
+    "setup", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 6, "block_size": 8, "max_model_len": 48}]
+)
+def test_greedy_and_seeded_outputs_equal_no_speculation(llama, batch, setup):
+    prompts = repetitive_prompts(batch)
+    runs = {}
+    for spec in (None, NGRAM):
+        with LLM(llama, dtype="float32", show_progress=False, speculative_config=spec, **setup) as llm:
+            greedy = llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=20, logprobs=1), use_tqdm=False
+            )
+            seeded = llm.generate(
+                prompts, SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=20), use_tqdm=False
+            )
+            runs[spec] = (greedy, seeded, llm.stats())
+    (g0, s0, _), (g1, s1, stats) = runs[None], runs[NGRAM]
+    assert [o.outputs[0].token_ids for o in g1] == [o.outputs[0].token_ids for o in g0]
+    assert [o.outputs[0].token_ids for o in s1] == [o.outputs[0].token_ids for o in s0]
+    for a, b in zip(g0, g1):
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tid, lp in pa.items():
+                assert abs(lp.logprob - pb[tid].logprob) < 1e-4
+    assert stats["spec_num_proposed"] > 0 and stats["spec_num_accepted"] > 0
+    assert stats["num_blocks_in_use"] == 0
+
+
+@pytest.mark.model
+def test_stops_inside_an_accepted_run(llama):
+    prompt = repetitive_prompts(1)[0]
+    with LLM(llama, dtype="float32", show_progress=False) as plain:
+        ref = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[
+            0
+        ].outputs[0]
+    ids, text = ref.token_ids, ref.text
+    stop_id = ids[9]
+    first = ids.index(stop_id)
+    cut = text[len(text) // 2 : len(text) // 2 + 2]
+    with LLM(llama, dtype="float32", show_progress=False, speculative_config=NGRAM) as llm:
+        by_id = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))
+        assert by_id[0].outputs[0].token_ids == ids[: first + 1]
+        by_text = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[cut]))[0].outputs[
+            0
+        ]
+        assert by_text.text == text[: text.index(cut)]
+        with LLM(llama, dtype="float32", show_progress=False) as plain:
+            ref_stop = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=24, stop=[cut]))[
+                0
+            ].outputs[0]
+        assert by_text.token_ids == ref_stop.token_ids  # no token past the stop string
+        short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0]
+        assert short.token_ids == ids[:3]
+
+
+@pytest.mark.model
+def test_unseeded_sampling_keeps_the_target_distribution(llama):
+    """Two-sample chi-square over a 4-token vocabulary (allowed_token_ids): the tokens at each of the
+    first positions are distributed alike with and without speculation."""
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
+    allowed = [7, 8, 9, 10]
+    params = SamplingParams(temperature=1.5, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed)
+    counts = {}
+    for spec in (None, NGRAM):
+        with LLM(llama, dtype="float32", show_progress=False, speculative_config=spec, seed=3) as llm:
+            outs = llm.generate([prompt] * 600, params, use_tqdm=False)
+            counts[spec] = [Counter(o.outputs[0].token_ids[pos] for o in outs) for pos in range(6)]
+            if spec:
+                assert llm.stats()["spec_num_accepted"] > 100
+    for pos in range(1, 6):
+        a, b = counts[None][pos], counts[NGRAM][pos]
+        chi2 = 0.0
+        for t in allowed:
+            total = a[t] + b[t]
+            if total:
+                expect = total / 2  # equal sample sizes
+                chi2 += (a[t] - expect) ** 2 / expect + (b[t] - expect) ** 2 / expect
+        assert chi2 < 16.27, (pos, a, b)  # df = 3, p = 0.001
