@@ -245,6 +245,13 @@ def cmd_bench_restart(args: argparse.Namespace) -> int:
     return bench_restart.run(args, EngineConfig.create(**engine_kwargs(args)))
 
 
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from coreproc.config import EngineConfig
+    from tools import bench_latency
+
+    return bench_latency.run(args, EngineConfig.create(**engine_kwargs(args)))
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tools import bench_serve
 
@@ -323,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_restart.add_arguments(restart)
     add_engine_args(restart)
     restart.set_defaults(func=cmd_bench_restart)
+    lat = bench.add_parser("latency", help="batch-1 decode latency and achieved memory bandwidth")
+    from tools import bench_latency
+
+    bench_latency.add_arguments(lat)
+    add_engine_args(lat)
+    lat.set_defaults(func=cmd_bench_latency)
     load = bench.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E)")
     from tools import bench_serve
 

@@ -40,8 +40,8 @@ def test_percentile_matches_numpy(values: list[float], q: float) -> None:
 
 @pytest.mark.unit
 def test_summarize_math() -> None:
-    # 11 tokens each: 10 decode tokens in 1.0 s after a 0.5 s first token -> 10 tok/s
-    iters = [Iteration(1.5, 0.5, 11), Iteration(1.5, 0.5, 11), Iteration(3.5, 0.5, 11)]
+    # 11 tokens each, the first after 0.5 s; decode times 1, 1 and 3 s: 30 tokens in 5 s
+    iters = [Iteration(1.5, 0.5, 11, 10), Iteration(1.5, 0.5, 11, 10), Iteration(3.5, 0.5, 11, 5)]
     bw = {"read_gbps": 2.0, "copy_gbps": 1.0, "ceiling_gbps": 2.0}
     r = summarize(iters, weight_bytes=10**8, kv_bytes_per_token=1000.0, input_len=100, bandwidth=bw)
     assert r["mean_latency_s"] == pytest.approx(6.5 / 3)
@@ -51,7 +51,10 @@ def test_summarize_math() -> None:
     assert r["tpot_ms"] == pytest.approx(1000 / 6.0)
     assert r["mean_context"] == pytest.approx(105.5)
     assert r["bytes_per_step"] == pytest.approx(10**8 + 105_500)
-    assert r["achieved_gbps"] == pytest.approx(r["bytes_per_step"] * 6.0 / 1e9)
+    # 25 steps in 5 s (the last iteration speculated: 10 tokens in 5 steps); weights read once a step
+    assert r["tokens_per_step"] == pytest.approx(30 / 25)
+    assert r["achieved_gbps"] == pytest.approx(r["bytes_per_step"] * 5.0 / 1e9)
+    assert r["roofline_tps"] == pytest.approx(2e9 / r["bytes_per_step"] * 1.2)
     assert r["bandwidth_fraction"] == pytest.approx(r["achieved_gbps"] / 2.0)
 
 
@@ -67,7 +70,8 @@ def test_run_writes_sane_figures(make_ckpt, tmp_path: Path, capsys: pytest.Captu
     r = json.loads(out.read_text())
     assert (r["input_len"], r["output_len"], r["num_iters"]) == (16, 8, 3)
     assert len(r["latencies_s"]) == len(r["iterations"]) == 3
-    assert all(it["output_tokens"] == 8 for it in r["iterations"])
+    assert all(it["output_tokens"] == 8 and it["decode_steps"] == 7 for it in r["iterations"])
+    assert r["tokens_per_step"] == 1.0
     assert all(0 < t < lat for t, lat in zip(r["ttfts_s"], r["latencies_s"]))
     assert r["mean_latency_s"] == pytest.approx(sum(r["latencies_s"]) / 3)
     assert min(r["latencies_s"]) <= r["median_latency_s"] <= r["p90_latency_s"] <= max(r["latencies_s"])

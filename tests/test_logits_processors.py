@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from coreproc import LLM, SamplingParams
-from coreproc.logits_processors import BUILTIN_SPECS, ProcessorContext, Row, load_processors, processor_specs
+from coreproc.logits_processors import ProcessorContext, Row, load_processors, processor_specs
 from coreproc.protocol import EngineRequest, InvalidParam
 from coreproc.scheduler import Scheduler
 from frontend.cli import main
 from tests.sched_util import make_config
 from tests.server_util import start_server, stop_server
-from workers.sampler import Sampler, SamplingBatch
+from tests.test_sampling import batch, builtin_processors
+from workers.sampler import Sampler
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 VOCAB = 50
@@ -30,23 +31,14 @@ VOCAB = 50
 
 def greedy_pick(rows: list[Row], logits: torch.Tensor) -> list[int]:
     n = len(rows)
-    batch = SamplingBatch(
+    fields = dict(
         temperature=[0.0] * n,
-        top_k=[0] * n,
-        top_p=[1.0] * n,
-        min_p=[0.0] * n,
-        seeds=[None] * n,
-        output_positions=[0] * n,
-        presence_penalty=[0.0] * n,
-        frequency_penalty=[0.0] * n,
-        repetition_penalty=[1.0] * n,
         prompt_ids=[r.prompt_ids for r in rows],
         output_ids=[r.output_ids for r in rows],
-        rows=rows,
-        max_num_logprobs=0,
     )
-    procs = load_processors(list(BUILTIN_SPECS), ProcessorContext(VOCAB, 128))
-    out = Sampler(torch.device("cpu"), processors=procs)(logits, batch)
+    out = Sampler(torch.device("cpu"), processors=builtin_processors(VOCAB))(
+        logits, batch(n, rows=rows, **fields)
+    )
     assert torch.allclose(
         out.sampled_logprob, torch.log_softmax(logits, -1).gather(1, out.sampled[:, None])[:, 0]
     )

@@ -6,6 +6,7 @@ run, and a chi-square test that unseeded sampling keeps the target distribution.
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -166,3 +167,34 @@ def test_unseeded_sampling_keeps_the_target_distribution(llama):
                 expect = total / 2  # equal sample sizes
                 chi2 += (a[t] - expect) ** 2 / expect + (b[t] - expect) ** 2 / expect
         assert chi2 < 16.27, (pos, a, b)  # df = 3, p = 0.001
+
+
+@pytest.mark.e2e
+def test_served_with_speculation(llama):
+    """Over HTTP (core and worker processes): the same greedy text as the offline engine without
+    speculation, and the acceptance counters in /metrics."""
+    import httpx
+
+    from tests.server_util import metric, start_server, stop_server
+
+    prompts = repetitive_prompts(3, seed=5)
+    with LLM(llama, dtype="float32", show_progress=False) as plain:
+        ref = [
+            o.outputs[0].text for o in plain.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+        ]
+    proc, url = start_server(llama, "--speculative-config", NGRAM)
+    try:
+        for prompt, expect in zip(prompts, ref):
+            body = {"model": "llama", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+            assert (
+                httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+                == expect
+            )
+        deadline = time.monotonic() + 10  # engine stats reach /metrics every second
+        while metric(url, "ember_spec_decode_num_draft_tokens_total") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert metric(url, "ember_spec_decode_num_accepted_tokens_total") > 0
+        assert 0 < metric(url, "ember_spec_decode_acceptance_rate") <= 1
+    finally:
+        stop_server(proc)

@@ -2,9 +2,10 @@
 
 Streams one random token-id prompt at a time (fixed seed, greedy, ignore_eos, a fresh prompt per
 iteration so the prefix cache never hits) through `LLM.stream` and times each request end to end and
-to its first token. Decode at batch 1 is memory-bound: every step reads all weights plus the KV cache
-written so far, so the figures are set against a torch copy/sum microbenchmark of the same device's
-memory bandwidth. Prints one readable table and a summary line; `--result-json` writes the figures.
+to its first token. Decode at batch 1 is memory-bound: every engine step reads all weights plus the KV
+cache written so far (with speculative decoding one step may yield several tokens, so steps are
+counted), and the figures are set against a torch copy/sum microbenchmark of the device's memory
+bandwidth. Prints one readable table and a summary line; `--result-json` writes the figures.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from coreproc.config import ConfigError, EngineConfig
 from coreproc.protocol import SamplingParams
-from tools.bench_throughput import make_prompts
+from tools.bench_throughput import add_workload_arguments, workload_prompts
 
 if TYPE_CHECKING:
     from coreproc.llm import LLM
@@ -27,11 +28,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Iteration:
-    """One timed request: wall time end to end, time to its first output token, tokens produced."""
+    """One timed request: wall time end to end, time to its first output token, tokens produced, and
+    engine steps after the one that produced the first token."""
 
     latency_s: float
     ttft_s: float
     output_tokens: int
+    decode_steps: int
 
     @property
     def decode_s(self) -> float:
@@ -61,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters", type=int, default=3, help="timed requests")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="untimed requests first")
-    p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    add_workload_arguments(p)
     p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth test")
     p.add_argument("--result-json", default=None, help="also write the figures to this file")
 
@@ -105,14 +108,16 @@ def time_request(llm: LLM, prompt: list[int], params: SamplingParams, device: st
     """Stream one request through ``llm`` (an `LLM`), timing its first token and its end."""
     _sync(device)
     start = time.perf_counter()
-    ttft, produced = None, 0
+    ttft, produced, steps0 = None, 0, 0
     for delta in llm.stream(prompt, params):
         if delta.token_ids and ttft is None:
             ttft = time.perf_counter() - start
+            steps0 = llm.stats()["num_steps"]
         produced += len(delta.token_ids)
     _sync(device)
     latency = time.perf_counter() - start
-    return Iteration(latency, ttft if ttft is not None else latency, produced)
+    steps = llm.stats()["num_steps"] - steps0
+    return Iteration(latency, ttft if ttft is not None else latency, produced, steps)
 
 
 def summarize(
@@ -122,16 +127,21 @@ def summarize(
 
     A decode step that produces token j (j >= 2) reads all weights and the KV of input_len + j - 1
     earlier positions; averaged over the decode steps that is input_len + output_len / 2 positions.
+    Achieved bandwidth counts engine steps, so a speculative step that yields several tokens reads
+    the weights once.
     """
     latencies = [it.latency_s for it in iters]
     output_len = iters[0].output_tokens
     decode_tokens = sum(it.output_tokens - 1 for it in iters)
     decode_s = sum(it.decode_s for it in iters)
     decode_tps = decode_tokens / decode_s if decode_s > 0 else 0.0
+    decode_steps = sum(it.decode_steps for it in iters)
+    steps_per_s = decode_steps / decode_s if decode_s > 0 else 0.0
     mean_context = input_len + output_len / 2
     kv_bytes_per_step = kv_bytes_per_token * mean_context
     bytes_per_step = weight_bytes + kv_bytes_per_step
-    achieved = bytes_per_step * decode_tps / 1e9
+    achieved = bytes_per_step * steps_per_s / 1e9
+    tokens_per_step = decode_tokens / max(1, decode_steps)
     return dict(
         latencies_s=latencies,
         ttfts_s=[it.ttft_s for it in iters],
@@ -141,6 +151,8 @@ def summarize(
         mean_ttft_s=statistics.fmean(it.ttft_s for it in iters),
         decode_tps=decode_tps,
         tpot_ms=1000 / decode_tps if decode_tps > 0 else 0.0,
+        decode_steps=decode_steps,
+        tokens_per_step=tokens_per_step,
         weight_bytes=weight_bytes,
         kv_bytes_per_token=kv_bytes_per_token,
         mean_context=mean_context,
@@ -149,36 +161,38 @@ def summarize(
         achieved_gbps=achieved,
         **bandwidth,
         bandwidth_fraction=achieved / bandwidth["ceiling_gbps"],
-        roofline_tps=bandwidth["ceiling_gbps"] * 1e9 / bytes_per_step,
+        roofline_tps=bandwidth["ceiling_gbps"] * 1e9 / bytes_per_step * tokens_per_step,
     )
 
 
 def print_report(head: str, iters: list[Iteration], r: dict, buffer_mib: int) -> None:
     """One table (a row per iteration, then mean/median/p90) and the bandwidth and summary lines."""
     print(head)
-    print(f"{'iter':<8}{'latency s':>11}{'TTFT ms':>10}{'decode tok/s':>14}{'ms/token':>10}")
+    print(f"{'iter':<8}{'latency s':>11}{'TTFT ms':>10}{'decode tok/s':>14}{'ms/token':>10}{'steps':>8}")
     for i, it in enumerate(iters, 1):
         print(
             f"{i:<8}{it.latency_s:>11.3f}{1000 * it.ttft_s:>10.2f}{it.decode_tps:>14.1f}{it.tpot_ms:>10.2f}"
+            f"{it.decode_steps:>8}"
         )
     columns = [
         [it.latency_s for it in iters],
         [1000 * it.ttft_s for it in iters],
         [it.decode_tps for it in iters],
         [it.tpot_ms for it in iters],
+        [it.decode_steps for it in iters],
     ]
     for name, fn in (
         ("mean", statistics.fmean),
         ("median", statistics.median),
         ("p90", lambda v: percentile(v, 90)),
     ):
-        a, b, c, d = (float(fn(col)) for col in columns)
-        print(f"{name:<8}{a:>11.3f}{b:>10.2f}{c:>14.1f}{d:>10.2f}")
+        a, b, c, d, e = (float(fn(col)) for col in columns)
+        print(f"{name:<8}{a:>11.3f}{b:>10.2f}{c:>14.1f}{d:>10.2f}{e:>8.1f}")
     mib = 2**20
     print(
         f"bytes per decode step: weights {r['weight_bytes'] / mib:.2f} MiB + "
         f"KV {r['kv_bytes_per_step'] / mib:.2f} MiB (mean context {r['mean_context']:.0f} tokens) "
-        f"= {r['bytes_per_step'] / mib:.2f} MiB"
+        f"= {r['bytes_per_step'] / mib:.2f} MiB; {r['tokens_per_step']:.2f} tokens per step"
     )
     print(
         f"memory bandwidth: achieved {r['achieved_gbps']:.2f} GB/s; ceiling {r['ceiling_gbps']:.2f} GB/s "
@@ -205,9 +219,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     with LLM(config=config, show_progress=False) as llm:
-        special = set(llm.tokenizer.all_special_ids)
         n = args.num_iters_warmup + args.num_iters
-        prompts = make_prompts(config.model.vocab_size, special, n, args.input_len, args.bench_seed)
+        prompts = workload_prompts(args, llm.tokenizer, config.model.vocab_size, n)
         ready = llm.engine.executor.ready
         device = ready[0].device
         timed = [time_request(llm, p, params, device) for p in prompts]

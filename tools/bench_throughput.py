@@ -16,6 +16,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from coreproc.config import EngineConfig
 from coreproc.protocol import SamplingParams
@@ -32,6 +33,22 @@ class Result:
     quantization: str = "none"
     weight_bytes: int = 0
     quantize_seconds: float = 0.0
+    spec: dict | None = None  # speculative decoding counters of the measured run
+
+    def spec_line(self) -> str | None:
+        if not self.spec or not self.spec.get("spec_num_proposed"):
+            return None
+        s = self.spec
+        per_pos = ", ".join(
+            f"{a / p:.0%}"
+            for a, p in zip(s["spec_accepted_per_position"], s["spec_proposed_per_position"])
+            if p
+        )
+        return (
+            f"{self.mode}: speculative acceptance {s['spec_acceptance_rate']:.1%} "
+            f"({s['spec_num_accepted']}/{s['spec_num_proposed']}), mean accepted length "
+            f"{s['spec_mean_accepted_length']:.2f}, by position {per_pos}"
+        )
 
     @property
     def output_tps(self) -> float:
@@ -51,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+    add_workload_arguments(p)
     p.add_argument("--result-json", default=None, help="also write the figures to this file")
     p.add_argument(
         "--quantization-methods",
@@ -60,10 +77,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """Prompt flags shared by the offline benchmarks."""
+    p.add_argument("--bench-seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument(
+        "--workload",
+        choices=["random", "rewrite"],
+        default="random",
+        help="random token ids, or 'rewrite': a piece of Python source, a separator, and the start of "
+        "the same piece again (an input-heavy, copy-like task where n-gram speculation shines)",
+    )
+
+
 def make_prompts(vocab_size: int, special: set[int], n: int, length: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     ids = [i for i in range(vocab_size) if i not in special]
     return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
+
+
+REWRITE_SOURCES = ("textwrap", "heapq", "bisect", "fractions", "string", "shlex", "calendar", "colorsys")
+
+
+def rewrite_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
+    """`length`-token prompts: a window of a stdlib module's source, a rewrite marker, and the
+    window's first tokens again, so the continuation retraces the window."""
+    import importlib
+    import inspect
+
+    rng = random.Random(seed)
+    marker = tokenizer.encode("\n\n# the same code, rewritten:\n", add_special_tokens=False)
+    restart = 8
+    body = length - len(marker) - restart
+    if body < restart:
+        raise ValueError(f"--input-len {length} is too short for the rewrite workload")
+    sources = [
+        tokenizer.encode(inspect.getsource(importlib.import_module(m)), add_special_tokens=False)
+        for m in REWRITE_SOURCES
+    ]
+    prompts = []
+    for i in range(n):
+        src = sources[i % len(sources)]
+        start = rng.randrange(0, max(1, len(src) - body))
+        window = src[start : start + body]
+        prompts.append(window + marker + window[:restart])
+    return prompts
+
+
+def workload_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int, n: int) -> list[list[int]]:
+    if args.workload == "rewrite":
+        return rewrite_prompts(tokenizer, n, args.input_len, args.bench_seed)
+    return make_prompts(vocab_size, set(tokenizer.all_special_ids), n, args.input_len, args.bench_seed)
 
 
 def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> Result:
@@ -75,7 +138,8 @@ def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingP
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        steps = llm.stats()["num_steps"] - steps0
+        stats = llm.stats()
+        steps = stats["num_steps"] - steps0
         ready = llm.engine.executor.ready[0]
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     method = config.model.quantization or "none"
@@ -89,6 +153,7 @@ def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingP
         method,
         ready.weight_bytes,
         ready.quantize_seconds,
+        {k: v for k, v in stats.items() if k.startswith("spec_")},
     )
 
 
@@ -97,6 +162,7 @@ def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: Sampli
     from coreproc.launcher import CoreProcess
 
     core_info = None
+    stats: dict = {}
 
     async def drive(address: str) -> tuple[int, float, int]:
         nonlocal core_info
@@ -112,7 +178,8 @@ def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: Sampli
             start = time.perf_counter()
             produced = await asyncio.gather(*(one(p, params) for p in prompts))
             seconds = time.perf_counter() - start
-            return sum(produced), seconds, (await client.stats())["num_steps"] - steps0
+            stats.update(await client.stats())
+            return sum(produced), seconds, stats["num_steps"] - steps0
         finally:
             await client.aclose()
 
@@ -130,6 +197,7 @@ def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: Sampli
         config.model.quantization or "none",
         sum(info.weight_bytes_by_dtype.values()),
         info.quantize_seconds,
+        {k: v for k, v in stats.items() if k.startswith("spec_")},
     )
 
 
@@ -137,9 +205,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from frontend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(config.model.tokenizer)
-    prompts = make_prompts(
-        config.model.vocab_size, set(tok.all_special_ids), args.num_prompts, args.input_len, args.bench_seed
-    )
+    prompts = workload_prompts(args, tok, config.model.vocab_size, args.num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     results = []
     if args.quantization_methods:
@@ -171,6 +237,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             f"{r.mode:<15}{r.quantization:<16}{r.output_tps:>11.1f}{r.total_tps:>13.1f}{r.seconds:>9.2f}"
             f"{r.steps:>7}{r.ms_per_step:>9.2f}{r.weight_bytes / 2**20:>13.1f}{r.quantize_seconds:>9.2f}"
         )
+    for r in results:
+        if r.spec_line():
+            print(r.spec_line())
     if len(results) == 2 and not args.quantization_methods:
         a, b = results
         loss = 100.0 * (1 - b.output_tps / a.output_tps)

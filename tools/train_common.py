@@ -178,8 +178,9 @@ def greedy_acceptance(
 
     The target (float32) generates ``new_tokens`` greedy tokens per prompt; one draft forward pass
     over prompt + generation then gives the draft's argmax after each target prefix. Returns the
-    match fraction, the target's self-agreement on the same pass (a sanity check, ~1.0) and the mean
-    tokens per target step of greedy speculative decoding with ``k`` proposals.
+    match fraction, the agreement of the target's one-pass argmax with its own step-by-step tokens (an
+    alignment check: ~1.0) and the mean tokens per target step of greedy speculative decoding with
+    ``k`` proposals.
     """
     from transformers import AutoModelForCausalLM
 
@@ -188,16 +189,15 @@ def greedy_acceptance(
     matches: list[list[bool]] = []
     self_agree = 0
     for ids in prompts:
-        out = target(input_ids=torch.tensor([ids]), use_cache=True)
         gen: list[int] = []
-        for _ in range(new_tokens):  # plain argmax: no EOS stop, no logits processors
-            gen.append(int(out.logits[0, -1].argmax()))
-            out = target(input_ids=torch.tensor([gen[-1:]]), past_key_values=out.past_key_values)
+        for _ in range(new_tokens):  # plain argmax over the whole prefix: no EOS stop, no logits processors
+            logits = target(input_ids=torch.tensor([ids + gen]), use_cache=False).logits
+            gen.append(int(logits[0, -1].argmax()))
         full = torch.tensor([ids + gen])
         # logits at position p predict token p + 1: the generated span is predicted by [len-1, end-1)
         span = slice(len(ids) - 1, full.shape[1] - 1)
-        draft_next = draft(input_ids=full).logits[0, span].argmax(-1)
-        target_next = target(input_ids=full).logits[0, span].argmax(-1)
+        draft_next = draft(input_ids=full, use_cache=False).logits[0, span].argmax(-1)
+        target_next = target(input_ids=full, use_cache=False).logits[0, span].argmax(-1)
         matches.append((draft_next == torch.tensor(gen)).tolist())
         self_agree += int((target_next == torch.tensor(gen)).sum())
     positions = sum(len(m) for m in matches)
