@@ -234,6 +234,7 @@ class Scheduler:
                     i -= 1
                     budget += scheduled.pop(victim.request_id, 0)
                     new_blocks.pop(victim.request_id, None)
+                    spec_tokens.pop(victim.request_id, None)
                 ids = self.kv.allocate_slots(req, n)
             if ids is None:
                 continue

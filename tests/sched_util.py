@@ -79,6 +79,9 @@ def check_invariants(sched: Scheduler, out) -> None:
     cfg = sched.config
     assert out.total_num_scheduled_tokens <= cfg.scheduler.max_num_batched_tokens
     assert len(sched.running) <= cfg.scheduler.max_running
+    assert set(out.spec_token_ids) <= set(out.num_scheduled_tokens), "proposals of an unscheduled request"
+    for rid, spec in out.spec_token_ids.items():
+        assert out.num_scheduled_tokens[rid] == 1 + len(spec)
     kv = sched.kv
     refs: dict[int, int] = {}
     for rid, blocks in kv.req_blocks.items():

@@ -56,7 +56,7 @@ def controls_strategy(draw) -> Controls:
     )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request_strategy, min_size=1, max_size=14),
     controls=controls_strategy(),
