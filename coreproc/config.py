@@ -7,6 +7,7 @@ here. `EngineConfig.create(...)` validates user input and raises `ConfigError` w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -276,6 +277,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram: shortest suffix to match
     prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
     model: str | None = None  # draft_model: the draft checkpoint (same tokenizer as the target)
+    draft: ModelConfig | None = None  # filled by EngineConfig.create from `model`
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -286,10 +288,8 @@ class SpeculativeConfig:
             raise ConfigError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.method == "draft_model":
-            raise ConfigError(
-                "speculative method 'draft_model' is not available yet in this version; use 'ngram'"
-            )
+        if self.method == "draft_model" and not self.model:
+            raise ConfigError('speculative method "draft_model" needs "model": the draft checkpoint folder')
 
     @classmethod
     def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
@@ -300,7 +300,7 @@ class SpeculativeConfig:
             raw = json.loads(text) if isinstance(text, str) else dict(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
-        known = set(cls.__dataclass_fields__)
+        known = set(cls.__dataclass_fields__) - {"draft"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ConfigError(
@@ -327,6 +327,27 @@ class DeviceConfig:
     @property
     def resolved_type(self) -> str:
         return self.resolved.split(":")[0]
+
+
+def _with_draft(
+    spec: SpeculativeConfig, target: ModelConfig, tp: int, seed: int, device: DeviceConfig
+) -> SpeculativeConfig:
+    """Read the draft checkpoint and check it can serve the target (same vocabulary, context)."""
+    if tp != 1:
+        raise ConfigError("speculative draft_model needs --tensor-parallel-size 1 in this version")
+    draft = ModelConfig.from_dir(
+        spec.model,
+        dtype=target.dtype,
+        max_model_len=target.max_model_len,
+        seed=seed,
+        device=device.resolved_type,
+    )
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+            f"({target.vocab_size}); a draft must share the target's tokenizer"
+        )
+    return dataclasses.replace(spec, draft=draft)
 
 
 @dataclass(frozen=True)
@@ -399,6 +420,8 @@ class EngineConfig:
         speculative = SpeculativeConfig.parse(speculative_config)
         if speculative is not None:  # verification needs each step's tokens before the next is planned
             async_scheduling = False
+        if speculative is not None and speculative.method == "draft_model":
+            speculative = _with_draft(speculative, model_cfg, tensor_parallel_size, seed, device_cfg)
         if long_prefill_token_threshold is None:  # default: 4% of the context, at least one block
             long_prefill_token_threshold = max(block_size, model_cfg.max_model_len // 25)
         return cls(

@@ -198,6 +198,7 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     sampled_token_ids: list[list[int]] = []
     logprobs: list[list[TokenLogprobs]] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    spec_token_ids: dict[str, list[int]] = {}  # draft-model proposals for the next step
 
 
 class WorkerReady(msgspec.Struct, kw_only=True):

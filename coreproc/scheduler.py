@@ -60,6 +60,10 @@ class Scheduler:
         self._arrivals = 0
         self.spec = config.speculative
         self.spec_stats = SpecStats()
+        # a draft model writes KV for its proposals right after sampling: reserve those slots
+        self.lookahead = (
+            self.spec.num_speculative_tokens if self.spec and self.spec.method == "draft_model" else 0
+        )
         self.num_steps = 0
         self.num_preemptions = 0
 
@@ -158,7 +162,9 @@ class Scheduler:
         k = min(len(req.spec_token_ids), budget, room)
         if k <= 0:
             return 0
-        extra = self.kv.allocate_slots(req, 1 + k)  # blocks for the last token and the proposals
+        extra = self.kv.allocate_slots(req, 1 + k + self.lookahead)  # last token, proposals, lookahead
+        if extra is None and self.lookahead:
+            extra = self.kv.allocate_slots(req, 1 + k)
         if extra is None:
             return 0
         spec_tokens[req.request_id] = req.spec_token_ids[:k]
@@ -166,9 +172,19 @@ class Scheduler:
         new_blocks[req.request_id] += extra
         return k
 
-    def _propose(self, req: Request) -> None:
+    def _reserve_lookahead(self, req: Request, n: int) -> list[int]:
+        """Slots for the draft's proposals if this step samples the request (best effort: without
+        them the draft proposes fewer tokens)."""
+        if req.num_computed_tokens + n < req.num_tokens + req.num_output_placeholders:
+            return []  # a prefill chunk that samples nothing
+        return self.kv.allocate_slots(req, n + self.lookahead) or []
+
+    def _propose(self, req: Request, drafted: list[int]) -> None:
         spec = self.spec
-        if spec is None or spec.method != "ngram":
+        if spec is None:
+            return
+        if spec.method == "draft_model":
+            req.spec_token_ids = drafted
             return
         req.spec_token_ids = propose_ngram(
             req.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -244,6 +260,8 @@ class Scheduler:
             i += 1
             if req.spec_token_ids and n == 1:
                 budget -= self._schedule_spec(req, budget, scheduled, new_blocks, spec_tokens)
+            elif self.lookahead:
+                new_blocks[req.request_id] += self._reserve_lookahead(req, n)
 
         admitted: list[Request] = []
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
@@ -262,6 +280,8 @@ class Scheduler:
             admitted.append(req)
             scheduled[req.request_id] = n
             budget -= n
+            if self.lookahead:
+                self._reserve_lookahead(req, n)
 
         out = SchedulerOutput(
             num_scheduled_tokens=scheduled,
@@ -359,7 +379,7 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, status)
             elif tokens and self.spec is not None:
-                self._propose(req)
+                self._propose(req, out.spec_token_ids.get(rid, []))
             if accepted or status is not None or prompt_lps:
                 outputs.append(
                     EngineOutput(

@@ -5,14 +5,16 @@ run, and a chi-square test that unseeded sampling keeps the target distribution.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import ConfigError, SpeculativeConfig
+from coreproc.config import ConfigError, EngineConfig, SpeculativeConfig
 from coreproc.protocol import EngineRequest
 from coreproc.scheduler import Scheduler
 from coreproc.spec_decode import SpecStats, propose_ngram
@@ -115,6 +117,47 @@ def test_greedy_and_seeded_outputs_equal_no_speculation(llama, batch, setup):
                 assert abs(lp.logprob - pb[tid].logprob) < 1e-4
     assert stats["spec_num_proposed"] > 0 and stats["spec_num_accepted"] > 0
     assert stats["num_blocks_in_use"] == 0
+
+
+BUNDLED = Path(__file__).resolve().parents[1] / "tools"
+DRAFT = json.dumps(
+    {"method": "draft_model", "model": str(BUNDLED / "default_draft"), "num_speculative_tokens": 3}
+)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(
+    "setup", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 10, "block_size": 8, "max_model_len": 64}]
+)
+def test_draft_model_outputs_equal_no_speculation(setup):
+    """The bundled matched pair: greedy and seeded tokens equal the target alone (chunked prefill and
+    preemption included), and the draft's proposals are accepted often."""
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"] * 2
+    runs = {}
+    for spec in (None, DRAFT):
+        with LLM(
+            str(BUNDLED / "default_model"), show_progress=False, speculative_config=spec, **setup
+        ) as llm:
+            greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+            seeded = llm.generate(
+                prompts, SamplingParams(temperature=0.9, seed=11, max_tokens=16, ignore_eos=True)
+            )
+            runs[spec] = ([o.outputs[0].token_ids for o in greedy], [o.outputs[0].token_ids for o in seeded])
+            stats = llm.stats()
+    assert runs[DRAFT] == runs[None]
+    assert stats["spec_acceptance_rate"] > 0.2 and stats["num_blocks_in_use"] == 0
+
+
+@pytest.mark.model
+def test_draft_config_is_checked(make_ckpt):
+    other = make_ckpt("llama", vocab=300)
+    bad = {"method": "draft_model", "model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="vocabulary"):
+        EngineConfig.create(
+            str(BUNDLED / "default_model"), max_model_len=512, speculative_config=json.dumps(bad)
+        )
+    with pytest.raises(ConfigError, match="needs"):
+        SpeculativeConfig.parse('{"method": "draft_model"}')
 
 
 @pytest.mark.model

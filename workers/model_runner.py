@@ -17,6 +17,7 @@ from torch import nn
 from coreproc.logits_processors import LogitsProcessor, Row
 from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
+from workers.draft import DraftProposer
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
 
 
@@ -70,8 +71,10 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         processors: list[LogitsProcessor] | None = None,
+        draft: DraftProposer | None = None,
     ) -> None:
         self.model = model
+        self.draft = draft
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -116,12 +119,11 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             q_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
-            self.kv_caches,
-            meta,
-        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        if self.draft is not None:
+            self.draft.mirror(ids_t, pos_t, meta)
         ends = meta.query_start_loc_cpu[1:]
         # a request samples when its chunk reaches its last token: one row for that position, plus one
         # per proposed token (verification); row j sees the output as if proposals < j were accepted
@@ -137,6 +139,14 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[positions_at])
             result = self.sampler(logits, self._sampling_batch(views))
         output = self._collect(req_ids, states, specs, sample_rows, result)
+        if self.draft is not None and sample_rows:
+            proposing = [states[i] for i in sample_rows]
+            proposals = self.draft.propose(
+                [s.output_ids[-1] for s in proposing],
+                [s.num_tokens - 1 for s in proposing],
+                [s.block_ids for s in proposing],
+            )
+            output.spec_token_ids = {req_ids[i]: p for i, p in zip(sample_rows, proposals) if p}
         output.prompt_logprobs = self._prompt_logprobs(req_ids, states, q_lens, seq_lens, hidden, meta)
         for s, q, spec, tokens in zip(states, q_lens, specs, output.sampled_token_ids):
             s.num_computed_tokens += q - (len(spec) - max(0, len(tokens) - 1) if spec else 0)

@@ -19,6 +19,7 @@ from coreproc.config import ConfigError, EngineConfig
 from coreproc.logits_processors import ProcessorContext, load_processors, processor_specs
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
+from workers.draft import DraftProposer
 from workers.loader import build_model
 from workers.model_runner import ModelRunner
 from workers.models.layers import kv_bytes_per_token
@@ -118,18 +119,14 @@ class Worker:
             key = str(p.dtype).removeprefix("torch.")
             by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
         weight_bytes = sum(by_dtype.values())
-        attn = model.model.layers[0].self_attn
-        num_kv_heads, head_dim = attn.num_kv_heads, attn.head_dim
-        per_token = kv_bytes_per_token(cfg.model.num_layers, num_kv_heads, head_dim, self.dtype)
-        bytes_per_block = per_token * cfg.cache.block_size
+        draft = self._load_draft(show_progress)
+        bytes_per_block = self._kv_bytes_per_block(model, cfg.model.num_layers)
+        if draft is not None:  # the draft's KV shares the target's block table: budget both per block
+            bytes_per_block += self._kv_bytes_per_block(draft, cfg.speculative.draft.num_layers)
+            weight_bytes += sum(p.numel() * p.element_size() for p in draft.parameters())
         num_blocks = plan_kv_blocks(cfg, bytes_per_block, self.device)
         start = time.perf_counter()
-        shape = (2, num_blocks, cfg.cache.block_size, num_kv_heads, head_dim)
-        # uninitialised on purpose: the kernels mask every slot beyond a sequence, and untouched host
-        # pages are never committed, so a large budget costs nothing until it is used
-        kv_caches = [
-            torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.model.num_layers)
-        ]
+        kv_caches = self._allocate_kv(model, cfg.model.num_layers, num_blocks)
         log.info(
             "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB (%s) loaded in %.2fs, "
             "quantized (%s) in %.2fs; backend %s",
@@ -146,8 +143,14 @@ class Worker:
         )
         ctx = ProcessorContext(cfg.model.vocab_size, cfg.model.max_model_len, str(self.device))
         processors = load_processors(processor_specs(cfg.logits_processors), ctx)
+        proposer = None
+        if draft is not None:
+            draft_kv = self._allocate_kv(draft, cfg.speculative.draft.num_layers, num_blocks)
+            k = cfg.speculative.num_speculative_tokens
+            bs, max_len = cfg.cache.block_size, cfg.model.max_model_len
+            proposer = DraftProposer(draft, draft_kv, bs, self.device, k, max_len)
         self.runner = ModelRunner(
-            model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, processors
+            model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, processors, proposer
         )
         return WorkerReady(
             rank=self.tp.rank,
@@ -161,6 +164,38 @@ class Worker:
             weight_source=source,
             cache_fallback_reason=fallback,
         )
+
+    def _load_draft(self, show_progress: bool) -> nn.Module | None:
+        """The speculative draft model (from disk, unquantized, not sharded), if one is configured."""
+        spec = self.config.speculative
+        if spec is None or spec.draft is None:
+            return None
+        d = spec.draft
+        draft, seconds, _ = build_model(
+            d.model,
+            d.architecture,
+            self.dtype,
+            self.device,
+            TPGroup(),
+            self.backend,
+            d.max_model_len,
+            None,
+            show_progress,
+        )
+        log.info("rank %d: draft model %s loaded in %.2fs", self.tp.rank, d.model, seconds)
+        return draft
+
+    def _kv_bytes_per_block(self, model: nn.Module, num_layers: int) -> int:
+        attn = model.model.layers[0].self_attn
+        per_token = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
+        return per_token * self.config.cache.block_size
+
+    def _allocate_kv(self, model: nn.Module, num_layers: int, num_blocks: int) -> list[torch.Tensor]:
+        """KV tensors per layer; uninitialised on purpose: the kernels mask every slot beyond a sequence,
+        and untouched host pages are never committed, so a large budget costs nothing until used."""
+        attn = model.model.layers[0].self_attn
+        shape = (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
+        return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None, "execute_model called before load()"
