@@ -30,6 +30,7 @@ VOCAB = 50
 
 def make_config(**kw) -> EngineConfig:
     spec_k = kw.pop("spec_k", 0)
+    spec_method = kw.pop("spec_method", "ngram")
     model = ModelConfig(
         model="none",
         architecture="LlamaForCausalLM",
@@ -50,7 +51,12 @@ def make_config(**kw) -> EngineConfig:
         policy=kw.pop("policy", "fcfs"),
         **kw,
     )
-    spec = SpeculativeConfig(num_speculative_tokens=spec_k, prompt_lookup_max=3) if spec_k else None
+    spec = None
+    if spec_k:  # a draft model's proposals come from the (fake) workers; the scheduler needs no weights
+        model_dir = "draft" if spec_method == "draft_model" else None
+        spec = SpeculativeConfig(
+            spec_method, num_speculative_tokens=spec_k, prompt_lookup_max=3, model=model_dir
+        )
     return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec)
 
 
@@ -72,7 +78,15 @@ def fake_runner_output(sched: Scheduler, out, rng: random.Random) -> RunnerOutpu
         else:
             tokens.append([])
             lps.append([])
-    return RunnerOutput(req_ids=ids, sampled_token_ids=tokens, logprobs=lps)
+    drafted = {}
+    if sched.spec is not None and sched.spec.method == "draft_model":
+        k = sched.spec.num_speculative_tokens
+        drafted = {
+            rid: [rng.randrange(2, VOCAB) for _ in range(rng.randrange(k + 1))]
+            for rid, toks in zip(ids, tokens)
+            if toks
+        }
+    return RunnerOutput(req_ids=ids, sampled_token_ids=tokens, logprobs=lps, spec_token_ids=drafted)
 
 
 def check_invariants(sched: Scheduler, out) -> None:
@@ -140,7 +154,8 @@ class Controls:
     max_num_queued_tokens: int | None = None
     policy: str = "fcfs"
     prefix: bool = True
-    spec_k: int = 0  # n-gram speculative decoding with this many proposals (0: off)
+    spec_k: int = 0  # speculative decoding with this many proposals (0: off)
+    spec_method: str = "ngram"  # or "draft_model": proposals come with each step's output
 
 
 @dataclass
@@ -170,6 +185,7 @@ def run_workload(reqs, controls: Controls, seed: int, overlap: bool = False) -> 
         max_num_queued_requests=c.max_num_queued_requests,
         max_num_queued_tokens=c.max_num_queued_tokens,
         spec_k=c.spec_k,
+        spec_method=c.spec_method,
     )
     sched = Scheduler(cfg, c.num_blocks)
     family = {f: [rng.randrange(2, VOCAB) for _ in range(12)] * 2 for f in (0, 1)}  # repeats: n-gram hits

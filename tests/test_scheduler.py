@@ -53,6 +53,7 @@ def controls_strategy(draw) -> Controls:
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         prefix=draw(st.booleans()),
         spec_k=draw(st.sampled_from([0, 0, 2, 4])),
+        spec_method=draw(st.sampled_from(["ngram", "draft_model"])),
     )
 
 
