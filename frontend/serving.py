@@ -171,6 +171,17 @@ class Generation:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+async def _fail(gen: Generation, e: EngineDeadError | EngineRequestError) -> JSONResponse:
+    """The error response for a request the engine refused (counted as rejected, by status) or
+    failed (counted as finished with an error)."""
+    err = refusal_error(e)
+    if isinstance(e, EngineRequestError) and e.code is not None:
+        gen.ctx.metrics.request_rejected(err.status)
+        gen.timer = None
+    await gen.close("error")
+    return error_response(err)
+
+
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -193,8 +204,7 @@ async def respond(gen: Generation, request: Request) -> Response:
             return Response(status_code=499)
         work.result()
     except (EngineDeadError, EngineRequestError) as e:
-        await gen.close("error")
-        return error_response(refusal_error(e))
+        return await _fail(gen, e)
     finally:
         watch.cancel()
     results = gen.results()
@@ -279,7 +289,6 @@ async def serve_generation(
         try:
             await gen.wait_admitted()
         except (EngineDeadError, EngineRequestError) as e:
-            await gen.close("error")
-            return error_response(refusal_error(e))
+            return await _fail(gen, e)
         return StreamingResponse(stream(gen), media_type="text/event-stream")
     return await respond(gen, request)

@@ -287,6 +287,7 @@ def test_api_key_cors_queue_limit_and_chat_template(llama, tmp_path, offline):
                     refused = http.post(f"{url}/v1/completions", json=long, headers=headers)
                     assert refused.status_code == 503  # a stream is refused before it starts
                     assert refused.json()["error"]["type"] == "service_unavailable"
+                    assert metric(url, "ember_requests_rejected_total", 'status_code="503"') == 2
         finally:
             os.kill(worker_pid, signal.SIGCONT)
     finally:
