@@ -123,7 +123,10 @@ class Worker:
         bytes_per_block = self._kv_bytes_per_block(model, cfg.model.num_layers)
         if draft is not None:  # the draft's KV shares the target's block table: budget both per block
             bytes_per_block += self._kv_bytes_per_block(draft, cfg.speculative.draft.num_layers)
-            weight_bytes += sum(p.numel() * p.element_size() for p in draft.parameters())
+            for p in draft.parameters():  # the draft's weights count with the target's
+                key = str(p.dtype).removeprefix("torch.")
+                by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+                weight_bytes += p.numel() * p.element_size()
         num_blocks = plan_kv_blocks(cfg, bytes_per_block, self.device)
         start = time.perf_counter()
         kv_caches = self._allocate_kv(model, cfg.model.num_layers, num_blocks)
