@@ -360,7 +360,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
-    logits_processors: tuple[str, ...] = ()  # extra module:Class processors (built-ins always load)
+    # processors beyond the built-ins: installed entry points (found by `create`), then module:Class flags
+    logits_processors: tuple[str, ...] = ()
     speculative: SpeculativeConfig | None = None
 
     @classmethod
@@ -412,11 +413,17 @@ class EngineConfig:
         )
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))
-        if logits_processors:  # fail fast, in the caller's process, on a processor that cannot load
-            from coreproc.logits_processors import ProcessorContext, load_processors, processor_specs
+        from coreproc.logits_processors import (
+            ProcessorContext,
+            engine_specs,
+            installed_specs,
+            load_processors,
+        )
 
+        logits_processors = (*installed_specs(), *logits_processors)  # looked up once, here
+        if logits_processors:  # fail fast, in the caller's process, on a processor that cannot load
             ctx = ProcessorContext(model_cfg.vocab_size, model_cfg.max_model_len)
-            load_processors(processor_specs(tuple(logits_processors)), ctx)
+            load_processors(engine_specs(logits_processors), ctx)
         speculative = SpeculativeConfig.parse(speculative_config)
         if speculative is not None:  # verification needs each step's tokens before the next is planned
             async_scheduling = False

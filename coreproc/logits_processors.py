@@ -6,7 +6,10 @@ subclass of `LogitsProcessor` with a unique `name`; its per-request arguments tr
 `SamplingParams.logits_processor_args[name]` (built-ins read their own typed fields). Processors come
 from three places, in this order: the built-ins (`logit_bias`, `allowed_token_ids`, `bad_words`,
 `min_tokens`, in `workers/logits_builtin.py`), the entry-point group `ember.logits_processors`, and
-`--logits-processors module:Class`. Raw logprobs reported to callers are taken before processors run.
+`--logits-processors module:Class`. Entry points are looked up once, when the engine's config is
+created (a scan of installed packages takes ~0.1 s), and travel in `EngineConfig.logits_processors`,
+so the core and worker processes start without scanning. Raw logprobs reported to callers are taken
+before processors run.
 """
 
 from __future__ import annotations
@@ -85,10 +88,19 @@ def _load_class(spec: str) -> type[LogitsProcessor]:
     return cls
 
 
+def installed_specs() -> tuple[str, ...]:
+    """The module:Class of every processor installed under the entry-point group."""
+    return tuple(sorted(ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)))
+
+
 def processor_specs(extra: tuple[str, ...] = ()) -> list[str]:
     """Every processor to load: built-ins, installed entry points, then `extra` (module:Class)."""
-    installed = [ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)]
-    return [*BUILTIN_SPECS, *sorted(installed), *extra]
+    return engine_specs((*installed_specs(), *extra))
+
+
+def engine_specs(configured: tuple[str, ...]) -> list[str]:
+    """The built-ins, then an engine's configured processors (already resolved by its config)."""
+    return [*BUILTIN_SPECS, *configured]
 
 
 def load_processors(specs: list[str], ctx: ProcessorContext) -> list[LogitsProcessor]:

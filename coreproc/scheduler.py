@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
-from coreproc.logits_processors import ProcessorContext, load_processors, processor_specs, validate_request
+from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors, validate_request
 from coreproc.protocol import (
     CachedRequestData,
     EngineOutput,
@@ -52,7 +52,7 @@ class Scheduler:
             config.cache.prefix_hash_seed,
         )
         ctx = ProcessorContext(config.model.vocab_size, config.model.max_model_len)
-        self.processors = load_processors(processor_specs(config.logits_processors), ctx)
+        self.processors = load_processors(engine_specs(config.logits_processors), ctx)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
@@ -172,10 +172,14 @@ class Scheduler:
         new_blocks[req.request_id] += extra
         return k
 
+    def _samples(self, req: Request, n: int) -> bool:
+        """Whether computing `n` more tokens (proposals excluded) reaches the request's end."""
+        return req.num_computed_tokens + n >= req.num_tokens + req.num_output_placeholders
+
     def _reserve_lookahead(self, req: Request, n: int) -> list[int]:
         """Slots for the draft's proposals if this step samples the request (best effort: without
         them the draft proposes fewer tokens)."""
-        if req.num_computed_tokens + n < req.num_tokens + req.num_output_placeholders:
+        if not self._samples(req, n):
             return []  # a prefill chunk that samples nothing
         return self.kv.allocate_slots(req, n + self.lookahead) or []
 
@@ -312,10 +316,9 @@ class Scheduler:
                 )
                 req.in_workers = True
             num_spec = len(spec_tokens.get(req.request_id, ()))
-            req.num_computed_tokens += n - num_spec
-            if req.num_computed_tokens == req.num_tokens + req.num_output_placeholders:
+            if self._samples(req, n - num_spec):
                 req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
-            req.num_computed_tokens += num_spec  # rolled back in update_from_output for rejected ones
+            req.num_computed_tokens += n  # proposals included: rejected ones roll back in update_from_output
         self.num_steps += 1
         return out
 

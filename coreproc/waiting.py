@@ -26,8 +26,7 @@ class WaitingQueue:
     def __init__(self, policy: str) -> None:
         self.policy = policy
         self._items: list[tuple[tuple, Request]] = []
-        self._tokens: dict[str, int] = {}  # tokens each queued request will compute
-        self.num_tokens = 0
+        self.num_tokens = 0  # of the queued requests (their tokens do not change while they wait)
         self._groups: OrderedDict[str, int] = OrderedDict()  # admitted groups -> members still to come
 
     def _key(self, req: Request) -> tuple:
@@ -37,7 +36,6 @@ class WaitingQueue:
 
     def add(self, req: Request) -> None:
         bisect.insort(self._items, (self._key(req), req), key=lambda item: item[0])
-        self._tokens[req.request_id] = req.num_tokens
         self.num_tokens += req.num_tokens
 
     def peek(self) -> Request:
@@ -45,12 +43,12 @@ class WaitingQueue:
 
     def pop(self) -> Request:
         req = self._items.pop(0)[1]
-        self.num_tokens -= self._tokens.pop(req.request_id)
+        self.num_tokens -= req.num_tokens
         return req
 
     def remove(self, req: Request) -> None:
         self._items.remove((self._key(req), req))
-        self.num_tokens -= self._tokens.pop(req.request_id)
+        self.num_tokens -= req.num_tokens
 
     def __len__(self) -> int:
         return len(self._items)

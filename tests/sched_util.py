@@ -31,6 +31,7 @@ VOCAB = 50
 def make_config(**kw) -> EngineConfig:
     spec_k = kw.pop("spec_k", 0)
     spec_method = kw.pop("spec_method", "ngram")
+    processors = tuple(kw.pop("logits_processors", ()))
     model = ModelConfig(
         model="none",
         architecture="LlamaForCausalLM",
@@ -57,7 +58,9 @@ def make_config(**kw) -> EngineConfig:
         spec = SpeculativeConfig(
             spec_method, num_speculative_tokens=spec_k, prompt_lookup_max=3, model=model_dir
         )
-    return EngineConfig(model=model, cache=cache, scheduler=sched, speculative=spec)
+    return EngineConfig(
+        model=model, cache=cache, scheduler=sched, speculative=spec, logits_processors=processors
+    )
 
 
 def fake_runner_output(sched: Scheduler, out, rng: random.Random) -> RunnerOutput:

@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from coreproc import LLM, SamplingParams
-from coreproc.logits_processors import ProcessorContext, Row, load_processors, processor_specs
+from coreproc.logits_processors import (
+    ProcessorContext,
+    Row,
+    installed_specs,
+    load_processors,
+    processor_specs,
+)
 from coreproc.protocol import EngineRequest, InvalidParam
 from coreproc.scheduler import Scheduler
 from frontend.cli import main
@@ -91,7 +97,7 @@ def test_plugin_by_entry_point_and_by_flag(monkeypatch):
     assert "ember_test_plugin:ForceToken" in processor_specs()  # found through its entry point
     procs = load_processors(processor_specs(("ember_test_plugin:ForceToken",)), ProcessorContext(VOCAB, 128))
     assert [p.name for p in procs].count("force_token") == 1
-    cfg = make_config()
+    cfg = make_config(logits_processors=installed_specs())  # what EngineConfig.create finds
     sched = Scheduler(cfg, num_kv_blocks=40)
     bad = SamplingParams(logits_processor_args={"force_token": {"token": VOCAB}})
     with pytest.raises(InvalidParam) as err:

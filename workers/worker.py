@@ -7,6 +7,7 @@ it -> report `WorkerReady` (block count, bytes, load time). Then `execute_model`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from coreproc.config import ConfigError, EngineConfig
-from coreproc.logits_processors import ProcessorContext, load_processors, processor_specs
+from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
 from workers.draft import DraftProposer
@@ -114,19 +115,15 @@ class Worker:
                 cfg.model.quantization,
                 show_progress,
             )
+        draft = self._load_draft(show_progress)
         by_dtype: dict[str, int] = {}
-        for p in model.parameters():
-            key = str(p.dtype).removeprefix("torch.")
+        for p in itertools.chain(model.parameters(), draft.parameters() if draft is not None else ()):
+            key = str(p.dtype).removeprefix("torch.")  # a draft's weights count with the target's
             by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
         weight_bytes = sum(by_dtype.values())
-        draft = self._load_draft(show_progress)
         bytes_per_block = self._kv_bytes_per_block(model, cfg.model.num_layers)
         if draft is not None:  # the draft's KV shares the target's block table: budget both per block
             bytes_per_block += self._kv_bytes_per_block(draft, cfg.speculative.draft.num_layers)
-            for p in draft.parameters():  # the draft's weights count with the target's
-                key = str(p.dtype).removeprefix("torch.")
-                by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
-                weight_bytes += p.numel() * p.element_size()
         num_blocks = plan_kv_blocks(cfg, bytes_per_block, self.device)
         start = time.perf_counter()
         kv_caches = self._allocate_kv(model, cfg.model.num_layers, num_blocks)
@@ -145,7 +142,7 @@ class Worker:
             self.backend.name,
         )
         ctx = ProcessorContext(cfg.model.vocab_size, cfg.model.max_model_len, str(self.device))
-        processors = load_processors(processor_specs(cfg.logits_processors), ctx)
+        processors = load_processors(engine_specs(cfg.logits_processors), ctx)
         proposer = None
         if draft is not None:
             draft_kv = self._allocate_kv(draft, cfg.speculative.draft.num_layers, num_blocks)
