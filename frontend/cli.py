@@ -252,6 +252,12 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return bench_latency.run(args, EngineConfig.create(**engine_kwargs(args)))
 
 
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from frontend import snapshot
+
+    return snapshot.run(args)
+
+
 def cmd_bench_serve(args: argparse.Namespace) -> int:
     from tools import bench_serve
 
@@ -342,6 +348,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(load)
     load.set_defaults(func=cmd_bench_serve)
 
+    snap = sub.add_parser(
+        "snapshot", help="CRIU snapshots of an initialized server: create, restore, inspect"
+    )
+    from frontend import snapshot
+
+    snapshot.add_arguments(snap)
+    snap.set_defaults(func=cmd_snapshot)
+
     mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
     from tools import make_model
 
@@ -350,7 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    FileNotFoundError,
+    RuntimeError,
+)  # and SnapshotError
 
 
 def main(argv: list[str] | None = None) -> int:

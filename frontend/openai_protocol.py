@@ -98,6 +98,7 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's extension)
 
 
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):

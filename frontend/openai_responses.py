@@ -50,11 +50,13 @@ def completion_logprobs(
     positions: list[PositionLogprobs | None],
     decode: Callable[[int], str] | None = None,
     start_offset: int = 0,
+    as_ids: bool = False,
 ) -> dict[str, list]:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs (top-N plus chosen), text_offset.
 
     A position without logprobs (the first prompt token under echo) gets None and `decode(token_id)`.
-    `start_offset` is the text length already sent (streaming chunks continue the offsets).
+    `start_offset` is the text length already sent (streaming chunks continue the offsets). `as_ids`
+    (vLLM's `return_tokens_as_token_ids`) names tokens "token_id:N" instead of their text.
     """
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -70,8 +72,13 @@ def completion_logprobs(
         else:
             text = chosen.decoded_token or ""
             token_logprobs.append(_clamp(chosen.logprob))
-            top.append({(lp.decoded_token or ""): _clamp(lp.logprob) for _, lp in _by_rank(pos)})
-        tokens.append(text)
+            top.append(
+                {
+                    (f"token_id:{i}" if as_ids else lp.decoded_token or ""): _clamp(lp.logprob)
+                    for i, lp in _by_rank(pos)
+                }
+            )
+        tokens.append(f"token_id:{tid}" if as_ids else text)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -101,6 +108,7 @@ def completion_choices(
     logprobs: int | None = None,
     first_index: int = 0,
     decode: Callable[[int], str] | None = None,
+    as_ids: bool = False,
 ) -> list[dict[str, Any]]:
     """The choices of one prompt (indices from `first_index`); echo prepends the prompt text."""
     choices = []
@@ -111,7 +119,7 @@ def completion_choices(
             if echo:
                 prompt_lps = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
                 ids, positions = result.prompt_token_ids + ids, list(prompt_lps) + positions
-            lp = completion_logprobs(ids, positions, decode)
+            lp = completion_logprobs(ids, positions, decode, as_ids=as_ids)
         text = (result.prompt or "") + out.text if echo else out.text
         choices.append(
             {

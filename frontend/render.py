@@ -59,6 +59,11 @@ def response_body(
     choices = []
     for k, r in enumerate(results):
         choices += oresp.completion_choices(
-            r, echo=req.echo, logprobs=req.logprobs, first_index=k * req.n, decode=decode
+            r,
+            echo=req.echo,
+            logprobs=req.logprobs,
+            first_index=k * req.n,
+            decode=decode,
+            as_ids=req.return_tokens_as_token_ids,
         )
     return oresp.completion_response(f"cmpl-{hexid}", model, created, choices, usage)

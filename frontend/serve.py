@@ -3,15 +3,42 @@
 Runs in the frontend process. The listening socket is bound first (a taken port fails at once, before
 the model loads), then `ember-core` and its workers start and report ready, then uvicorn (uvloop)
 serves the Starlette app on that socket. Ctrl-C / SIGTERM: uvicorn drains, then the core is stopped.
+
+Parked mode (`--snapshot-park DIR`, started by `ember snapshot create`): everything is initialized the
+same way, but no socket is bound. The canary request runs through the app in-process, its answer goes
+to DIR/canary.json, and the process waits for DIR/handoff.json, which `ember snapshot restore` writes
+for each restored copy, to learn the address to bind. It runs on asyncio's own loop: uvloop's libuv
+holds an io_uring descriptor, which CRIU cannot dump.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
+import os
+import signal
 import socket
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from coreproc.config import EngineConfig
+
+if TYPE_CHECKING:
+    from frontend.api_server import ServerConfig
+
+CANARY_PROMPT = "Ember snapshot canary: the quick brown fox"
+CANARY_REQUEST = {
+    "prompt": CANARY_PROMPT,
+    "max_tokens": 1,
+    "temperature": 0,
+    "seed": 0,
+    "logprobs": 1,
+    "return_tokens_as_token_ids": True,
+}
+HANDOFF_POLL_S = 0.002
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--chat-template", default=None, help="a Jinja template file (or text) to override the model's"
     )
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--snapshot-park", default=None, help=argparse.SUPPRESS)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -56,13 +84,10 @@ def describe_engine(address: str) -> str:
     )
 
 
-def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    import uvicorn
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    from frontend.api_server import ServerConfig
 
-    from coreproc.launcher import CoreProcess
-    from frontend.api_server import ServerConfig, build_app
-
-    cfg = ServerConfig(
+    return ServerConfig(
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
@@ -71,6 +96,17 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         max_request_bytes=args.max_request_bytes,
         chat_template=args.chat_template,
     )
+
+
+def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    import uvicorn
+
+    from coreproc.launcher import CoreProcess
+    from frontend.api_server import build_app
+
+    if args.snapshot_park:
+        return run_parked(args, config, Path(args.snapshot_park))
+    cfg = server_config(args)
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
@@ -84,4 +120,88 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         )
         print(f"ember serve: listening on http://{host}:{port}", flush=True)
         server.run(sockets=[sock])
+    return 0
+
+
+def canary_result(body: dict[str, Any]) -> dict[str, Any]:
+    """Token id, text and logprob of a canary completion's one token."""
+    choice = body["choices"][0]
+    token = choice["logprobs"]["tokens"][0]
+    return {
+        "token_id": int(token.removeprefix("token_id:")),
+        "text": choice["text"],
+        "logprob": choice["logprobs"]["token_logprobs"][0],
+    }
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write, fsync, rename: readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> int:
+    """Initialize fully, answer the canary, wait for a restore's address, then serve (see module doc)."""
+    from coreproc.launcher import CoreProcess
+    from frontend.api_server import build_app
+
+    cfg = server_config(args)
+    with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
+        print(describe_engine(core.address), flush=True)
+        app = build_app(core.address, config.model.model, cfg)
+        return asyncio.run(_parked(app, state, str(core.runtime_dir), args.shutdown_timeout))
+
+
+async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: float) -> int:
+    import httpx
+    import uvicorn
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # PID 1 of a namespace ignores unhandled signals
+        loop.add_signal_handler(sig, stop.set)
+    async with app.state.api.lifespan(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://snapshot") as http:
+            reply = await http.post("/v1/completions", json=CANARY_REQUEST)
+        if reply.status_code != 200:
+            print(f"ember serve: the canary request failed: {reply.text}", flush=True)
+            return 1
+        canary = {**canary_result(reply.json()), "runtime_dir": runtime_dir, "pid": os.getpid()}
+        write_json_atomic(state / "canary.json", canary)
+        print("ember serve: parked for a snapshot", flush=True)
+        handoff = state / "handoff.json"
+        while not handoff.exists():  # after a restore the file is already there
+            if stop.is_set():
+                return 0
+            await asyncio.sleep(HANDOFF_POLL_S)
+        addr = json.loads(handoff.read_text())
+        handoff.unlink(missing_ok=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        try:
+            sock = bind(addr["host"], addr["port"])
+        except ValueError as e:
+            print(f"ember serve: restored, but {e}", flush=True)
+            return 1
+        host, port = sock.getsockname()[:2]
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                lifespan="off",
+                log_level=logging.getLevelName(logging.getLogger().level).lower(),
+                timeout_graceful_shutdown=shutdown_timeout,
+            )
+        )
+        print(
+            f"ember serve: restored at {time.strftime('%Y-%m-%d %H:%M:%S')}; "
+            f"listening on http://{host}:{port}",
+            flush=True,
+        )
+        await server.serve(sockets=[sock])
     return 0

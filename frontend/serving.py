@@ -257,7 +257,13 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
             index = int(d.request_id.rsplit("-", 1)[1]) * req.n + d.index
             lp = None
             if req.logprobs is not None and d.logprobs is not None:
-                lp = oresp.completion_logprobs(d.token_ids, d.logprobs, ctx.decode, sent_text.get(index, 0))
+                lp = oresp.completion_logprobs(
+                    d.token_ids,
+                    d.logprobs,
+                    ctx.decode,
+                    sent_text.get(index, 0),
+                    as_ids=req.return_tokens_as_token_ids,
+                )
             sent_text[index] = sent_text.get(index, 0) + len(d.text)
             choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": finish}
             yield _sse(oresp.completion_chunk(*head, [choice]))

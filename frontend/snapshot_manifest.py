@@ -1,0 +1,233 @@
+"""The snapshot manifest: what a CRIU image of an engine was made from, and whether this host matches.
+
+Runs in the `ember snapshot` controller (the user's shell); never imports torch. A manifest records
+the schema version, a complete flag (false until the image is fully written), the identity of the
+machine and software the image is only valid on (engine, Python, torch and CRIU versions, kernel
+release, machine id, architecture, device), the model with a content hash, the serve argv, the
+relevant environment variables and the canary. `differences()` names each identity field that differs
+from this host; `model_changes()` re-hashes the model only when a file's size or mtime changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import msgspec
+
+from coreproc.config import engine_version
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+ENV_PREFIXES = ("EMBER_", "OMP_", "MKL_", "KMP_", "TORCH", "CUDA_", "NCCL_", "TRITON_", "HF_", "XDG_")
+ENV_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "TZ", "LANG")
+
+
+class SnapshotError(RuntimeError):
+    """A snapshot cannot be created, restored or read; the message says why."""
+
+
+class Canary(msgspec.Struct, frozen=True, kw_only=True):
+    """The answer recorded before the dump: one greedy token of a fixed prompt (seed 0)."""
+
+    prompt: str
+    token_id: int
+    text: str
+    logprob: float
+
+
+class Identity(msgspec.Struct, frozen=True, kw_only=True):
+    """What must be equal between the host that made an image and the host that restores it."""
+
+    engine_version: str
+    python_version: str
+    python_prefix: str  # the environment (sys.prefix)
+    torch_version: str
+    criu_version: str
+    kernel_release: str
+    machine_id: str
+    architecture: str
+    device: str
+
+
+class ModelFiles(msgspec.Struct, frozen=True, kw_only=True):
+    """The checkpoint folder: every top-level file's size and mtime, and a sha256 over their bytes."""
+
+    path: str
+    files: dict[str, tuple[int, int]]  # name -> (size, mtime_ns)
+    content_hash: str
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    schema_version: int = SCHEMA_VERSION
+    complete: bool = False
+    created_at: str = ""
+    identity: Identity
+    model: ModelFiles
+    argv: list[str]  # the serve arguments given to `ember snapshot create`
+    cwd: str
+    environment: dict[str, str]
+    host: str  # the default address of a restore (the create's --host/--port)
+    port: int
+    mode: str = "full"  # "full": the weights are inside the image
+    runtime_dir: str = ""  # the engine's IPC directory, recreated before each restore
+    canary: Canary | None = None
+    init_seconds: float = 0.0  # launch to parked (load, warm-up, canary)
+    dump_seconds: float = 0.0
+    image_bytes: int = 0
+
+
+def criu_version(criu: str = "criu") -> str:
+    """`criu --version`'s number, or "" when CRIU is missing."""
+    try:
+        out = subprocess.run([criu, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    for line in out.splitlines():
+        if line.startswith("Version:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def version_at_least(have: str, want: tuple[int, ...]) -> bool:
+    parts = []
+    for p in have.split("."):
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return bool(have) and tuple(parts) >= want
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def device_identity() -> str:
+    """The CPU model and count (the engine is CPU-only under snapshots in this version)."""
+    model = "unknown"
+    for line in _read("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    return f"cpu: {model} x {os.cpu_count()}"
+
+
+def _package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def host_identity(criu: str) -> Identity:
+    return Identity(
+        engine_version=engine_version(),
+        python_version=platform.python_version(),
+        python_prefix=sys.prefix,
+        torch_version=_package_version("torch"),
+        criu_version=criu,
+        kernel_release=platform.release(),
+        machine_id=_read("/etc/machine-id"),
+        architecture=platform.machine(),
+        device=device_identity(),
+    )
+
+
+def differences(recorded: Identity, current: Identity) -> list[str]:
+    """One phrase per differing field: "kernel_release: 6.1.0 in the snapshot, 6.18.4 here"."""
+    out = []
+    for field in recorded.__struct_fields__:
+        a, b = getattr(recorded, field), getattr(current, field)
+        if a != b:
+            out.append(f"{field}: {a!r} in the snapshot, {b!r} here")
+    return out
+
+
+def _model_stats(model_dir: Path) -> dict[str, tuple[int, int]]:
+    stats = {}
+    for p in sorted(model_dir.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            stats[p.name] = (st.st_size, st.st_mtime_ns)
+    return stats
+
+
+def _content_hash(model_dir: Path, names: list[str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(names):
+        h.update(name.encode() + b"\0")
+        with open(model_dir / name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def model_files(model_dir: str) -> ModelFiles:
+    path = Path(model_dir).resolve()
+    stats = _model_stats(path)
+    return ModelFiles(path=str(path), files=stats, content_hash=_content_hash(path, list(stats)))
+
+
+def model_changes(recorded: ModelFiles) -> list[str]:
+    """Why the checkpoint on disk is not the one in the image (empty when it is). Files whose size
+    and mtime are unchanged are trusted; otherwise the whole folder is hashed again."""
+    path = Path(recorded.path)
+    if not path.is_dir():
+        return [f"model: {path} is gone"]
+    stats = _model_stats(path)
+    if stats == recorded.files:
+        return []
+    if sorted(stats) != sorted(recorded.files):
+        added, gone = sorted(set(stats) - set(recorded.files)), sorted(set(recorded.files) - set(stats))
+        return [f"model: files added {added} / removed {gone} in {path}"]
+    if _content_hash(path, list(stats)) != recorded.content_hash:
+        changed = [n for n in stats if stats[n] != tuple(recorded.files[n])]
+        return [f"model: the content of {path} changed ({', '.join(changed)})"]
+    return []
+
+
+def relevant_environment() -> dict[str, str]:
+    return {k: v for k, v in sorted(os.environ.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def write_manifest(snapshot_dir: Path, manifest: Manifest) -> None:
+    """Atomically: a reader sees the previous manifest or this one, never a torn file."""
+    path = snapshot_dir / MANIFEST
+    tmp = snapshot_dir / f".{MANIFEST}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(snapshot_dir, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(snapshot_dir: Path) -> Manifest:
+    path = snapshot_dir / MANIFEST
+    if not path.is_file():
+        raise SnapshotError(f"{snapshot_dir} is not a snapshot (no {MANIFEST})")
+    try:
+        manifest = msgspec.json.decode(path.read_bytes(), type=Manifest)
+    except msgspec.DecodeError as e:
+        raise SnapshotError(f"{path} is damaged: {e}") from None
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise SnapshotError(
+            f"{path} has schema version {manifest.schema_version}; this Ember reads {SCHEMA_VERSION}"
+        )
+    return manifest
