@@ -270,7 +270,26 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return batch.run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_of(argv: list[str]) -> str | None:
+    """The subcommand named in `argv` (None for none or --help): only its module needs importing."""
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--log-level":
+            skip = True
+        elif not arg.startswith("-"):
+            return arg
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; with `only`, the other subcommands are listed but their modules not imported
+    (start-up time counts for `ember snapshot restore`)."""
+
+    def want(name: str) -> bool:
+        return only is None or only == name
+
     parser = argparse.ArgumentParser(prog="ember", description="Ember: LLM inference and serving")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -282,10 +301,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    from frontend import serve
+    if want("serve"):
+        from frontend import serve
 
-    serve.add_arguments(srv)
-    add_engine_args(srv)
+        serve.add_arguments(srv)
+        add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
 
     core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
@@ -304,10 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
     core.set_defaults(func=cmd_core)
 
     pre = sub.add_parser("preload", help="keep processed weights in memory for fast engine restarts")
-    from workers.weight_cache import preload
+    if want("preload"):
+        from workers.weight_cache import preload
 
-    preload.add_arguments(pre)
-    add_engine_args(pre)
+        preload.add_arguments(pre)
+        add_engine_args(pre)
     pre.set_defaults(func=cmd_preload)
 
     kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for `ember core --curve-keys` and clients")
@@ -315,66 +336,65 @@ def build_parser() -> argparse.ArgumentParser:
     kg.set_defaults(func=cmd_keygen)
 
     bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL in, JSONL out) through the engine")
-    from coreproc import batch
+    if want("batch"):
+        from coreproc import batch
 
-    batch.add_arguments(bt)
-    add_engine_args(bt)
+        batch.add_arguments(bt)
+        add_engine_args(bt)
     bt.set_defaults(func=cmd_batch)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    tput = bench.add_parser("throughput", help="offline throughput, in-process vs multiprocess engine")
-    from tools import bench_throughput
+    if want("bench"):
+        tput = bench.add_parser("throughput", help="offline throughput, in-process vs multiprocess engine")
+        from tools import bench_throughput
 
-    bench_throughput.add_arguments(tput)
-    add_engine_args(tput)
-    tput.set_defaults(func=cmd_bench_throughput)
-    restart = bench.add_parser(
-        "restart", help="time to ready: cold start from disk vs warm from ember preload"
-    )
-    from tools import bench_restart
+        bench_throughput.add_arguments(tput)
+        add_engine_args(tput)
+        tput.set_defaults(func=cmd_bench_throughput)
+        restart = bench.add_parser(
+            "restart", help="time to ready: cold start from disk vs warm from ember preload"
+        )
+        from tools import bench_restart
 
-    bench_restart.add_arguments(restart)
-    add_engine_args(restart)
-    restart.set_defaults(func=cmd_bench_restart)
-    lat = bench.add_parser("latency", help="batch-1 decode latency and achieved memory bandwidth")
-    from tools import bench_latency
+        bench_restart.add_arguments(restart)
+        add_engine_args(restart)
+        restart.set_defaults(func=cmd_bench_restart)
+        lat = bench.add_parser("latency", help="batch-1 decode latency and achieved memory bandwidth")
+        from tools import bench_latency
 
-    bench_latency.add_arguments(lat)
-    add_engine_args(lat)
-    lat.set_defaults(func=cmd_bench_latency)
-    load = bench.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E)")
-    from tools import bench_serve
+        bench_latency.add_arguments(lat)
+        add_engine_args(lat)
+        lat.set_defaults(func=cmd_bench_latency)
+        load = bench.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E)")
+        from tools import bench_serve
 
-    bench_serve.add_arguments(load)
-    load.set_defaults(func=cmd_bench_serve)
+        bench_serve.add_arguments(load)
+        load.set_defaults(func=cmd_bench_serve)
 
-    snap = sub.add_parser(
-        "snapshot", help="CRIU snapshots of an initialized server: create, restore, inspect"
-    )
-    from frontend import snapshot
+    snap = sub.add_parser("snapshot", help="CRIU snapshots of a ready server: create, restore, inspect")
+    if want("snapshot"):
+        from frontend import snapshot
 
-    snapshot.add_arguments(snap)
+        snapshot.add_arguments(snap)
     snap.set_defaults(func=cmd_snapshot)
 
     mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
-    from tools import make_model
+    if want("make-model"):
+        from tools import make_model
 
-    make_model.add_arguments(mk)
+        make_model.add_arguments(mk)
     mk.set_defaults(func=cmd_make_model)
     return parser
 
 
-USER_ERRORS: tuple[type[BaseException], ...] = (
-    ValueError,
-    FileNotFoundError,
-    RuntimeError,
-)  # and SnapshotError
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, RuntimeError)
 
 
 def main(argv: list[str] | None = None) -> int:
     # before torch loads OpenMP: spinning threads starve this machine's other engine processes
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func

@@ -25,19 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coreproc.config import EngineConfig
+from frontend.canary import canary_request, canary_result, write_json_atomic
 
 if TYPE_CHECKING:
     from frontend.api_server import ServerConfig
 
-CANARY_PROMPT = "Ember snapshot canary: the quick brown fox"
-CANARY_REQUEST = {
-    "prompt": CANARY_PROMPT,
-    "max_tokens": 1,
-    "temperature": 0,
-    "seed": 0,
-    "logprobs": 1,
-    "return_tokens_as_token_ids": True,
-}
 HANDOFF_POLL_S = 0.002
 
 
@@ -123,28 +115,6 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     return 0
 
 
-def canary_result(body: dict[str, Any]) -> dict[str, Any]:
-    """Token id, text and logprob of a canary completion's one token."""
-    choice = body["choices"][0]
-    token = choice["logprobs"]["tokens"][0]
-    return {
-        "token_id": int(token.removeprefix("token_id:")),
-        "text": choice["text"],
-        "logprob": choice["logprobs"]["token_logprobs"][0],
-    }
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write, fsync, rename: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> int:
     """Initialize fully, answer the canary, wait for a restore's address, then serve (see module doc)."""
     from coreproc.launcher import CoreProcess
@@ -168,7 +138,7 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
     async with app.state.api.lifespan(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://snapshot") as http:
-            reply = await http.post("/v1/completions", json=CANARY_REQUEST)
+            reply = await http.post("/v1/completions", json=canary_request())
         if reply.status_code != 200:
             print(f"ember serve: the canary request failed: {reply.text}", flush=True)
             return 1

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from frontend.serve import CANARY_PROMPT, CANARY_REQUEST, canary_result, write_json_atomic
+from frontend.canary import CANARY_PROMPT, canary_request, canary_result, write_json_atomic
 from frontend.snapshot_manifest import (
     Canary,
     Manifest,
@@ -122,6 +122,7 @@ def create(
         manifest = Manifest(
             created_at=now(),
             identity=host_identity(tools.version()),
+            snapshot_dir=str(root),
             model=model_files(model_dir),
             argv=list(serve_argv),
             cwd=os.getcwd(),
@@ -251,6 +252,11 @@ def restore(
     manifest = read_manifest(layout.root)
     if not manifest.complete or manifest.canary is None:
         raise SnapshotError(f"{layout.root} is an incomplete snapshot (its create did not finish)")
+    if manifest.snapshot_dir != str(layout.root):
+        raise SnapshotError(
+            f"the snapshot was made at {manifest.snapshot_dir} and moved to {layout.root}; its image "
+            "refers to files under the original path, so restore it there"
+        )
     problems = differences(manifest.identity, host_identity(tools.version())) + model_changes(manifest.model)
     if problems:
         raise SnapshotError("the snapshot does not match this host: " + "; ".join(problems))
@@ -263,7 +269,7 @@ def restore(
         pid = tools.restore(layout.images, layout.work, f"restore-{stamp}.log", layout.work / f"{stamp}.pid")
         try:
             url_host = f"[{host}]" if ":" in host else host
-            got = _wait_and_ask(url_host, port, pid, started + timeout)
+            got = _wait_and_ask(url_host, port, pid, manifest.canary.prompt, started + timeout)
             _compare(manifest.canary, got)
         except BaseException:
             with contextlib.suppress(ProcessLookupError):
@@ -284,9 +290,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _wait_and_ask(host: str, port: int, pid: int, deadline: float) -> Canary:
+def _wait_and_ask(host: str, port: int, pid: int, prompt: str, deadline: float) -> Canary:
     """Poll /health until 200, then send the canary request; the restored process must stay alive."""
-    body = json.dumps(CANARY_REQUEST)
+    body = json.dumps(canary_request(prompt))
     while True:
         if not _alive(pid):
             raise SnapshotError("the restored server exited before it was ready (see logs/serve.log)")
@@ -301,7 +307,7 @@ def _wait_and_ask(host: str, port: int, pid: int, deadline: float) -> Canary:
                 data = reply.read()
                 if reply.status != 200:
                     raise SnapshotError(f"the canary request failed ({reply.status}): {data[:300]!r}")
-                return Canary(prompt=CANARY_PROMPT, **canary_result(json.loads(data)))
+                return Canary(prompt=prompt, **canary_result(json.loads(data)))
         except (OSError, http.client.HTTPException):
             pass
         finally:

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import msgspec
 
-from coreproc.config import engine_version
-
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 ENV_PREFIXES = ("EMBER_", "OMP_", "MKL_", "KMP_", "TORCH", "CUDA_", "NCCL_", "TRITON_", "HF_", "XDG_")
@@ -69,6 +67,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     complete: bool = False
     created_at: str = ""
     identity: Identity
+    snapshot_dir: str  # where it was made: the image holds paths under it, so it cannot move
     model: ModelFiles
     argv: list[str]  # the serve arguments given to `ember snapshot create`
     cwd: str
@@ -129,7 +128,7 @@ def _package_version(name: str) -> str:
 
 def host_identity(criu: str) -> Identity:
     return Identity(
-        engine_version=engine_version(),
+        engine_version=_package_version("ember-serve"),
         python_version=platform.python_version(),
         python_prefix=sys.prefix,
         torch_version=_package_version("torch"),
