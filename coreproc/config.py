@@ -257,6 +257,8 @@ class LoadConfig:
     load_format: str = "auto"
     socket_dir: str | None = None  # where preload daemons listen (default: a private per-user dir)
     preload_wait_timeout: float = 0.0  # seconds to wait for a daemon before loading from disk
+    # CPU: after loading, serve the weights from a copy-on-write mapping of this file (snapshots)
+    weights_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -399,6 +401,7 @@ class EngineConfig:
         preload_wait_timeout: float = 0.0,
         logits_processors: tuple[str, ...] | list[str] = (),
         speculative_config: str | dict | None = None,
+        weights_file: str | None = None,
     ) -> EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
         device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
@@ -458,9 +461,7 @@ class EngineConfig:
                 data_parallel_rank=data_parallel_rank,
             ),
             device=device_cfg,
-            load=LoadConfig(
-                load_format=load_format, socket_dir=socket_dir, preload_wait_timeout=preload_wait_timeout
-            ),
+            load=LoadConfig(load_format, socket_dir, preload_wait_timeout, weights_file),
             logits_processors=tuple(logits_processors),
             speculative=speculative,
         )

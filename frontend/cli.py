@@ -88,6 +88,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
     )
+    g.add_argument("--weights-file", default=None, help=argparse.SUPPRESS)  # set by `ember snapshot`
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
 
@@ -126,6 +127,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         logits_processors=tuple(args.logits_processors),
         speculative_config=args.speculative_config,
+        weights_file=args.weights_file,
     )
 
 

@@ -34,8 +34,8 @@ from frontend.snapshot_manifest import (
     Manifest,
     SnapshotError,
     differences,
+    folder_changes,
     host_identity,
-    model_changes,
     model_files,
     now,
     read_manifest,
@@ -52,6 +52,7 @@ from frontend.snapshot_tools import (
 )
 
 LOGPROB_TOLERANCE = 1e-3
+WEIGHT_MODES = ("mapped", "image")
 MAX_SOCKET_DIR = 70  # an IPC path (dir + /ember-XXXXXXXX/launcher) must stay under 108 bytes
 
 
@@ -72,6 +73,10 @@ class Layout:
     @property
     def logs(self) -> Path:  # serve.log (every restored copy appends to it)
         return self.root / "logs"
+
+    @property
+    def weights(self) -> Path:  # the mapped weights ("mapped" mode)
+        return self.root / "weights"
 
     @property
     def work(self) -> Path:  # CRIU's logs and pid files
@@ -99,9 +104,17 @@ def _tail(path: Path, lines: int = 5) -> str:
 
 
 def create(
-    snapshot_dir: Path, serve_argv: list[str], tools: SnapshotTools, timeout: float = 600.0
+    snapshot_dir: Path,
+    serve_argv: list[str],
+    tools: SnapshotTools,
+    timeout: float = 600.0,
+    weights: str = "mapped",
 ) -> Manifest:
-    """Snapshot a parked `ember serve SERVE_ARGV` into `snapshot_dir` (which must be new or empty)."""
+    """Snapshot a parked `ember serve SERVE_ARGV` into `snapshot_dir` (which must be new or empty).
+    `weights`: "mapped" keeps them in DIR/weights (mapped again on restore; a smaller image, a faster
+    restore, pages shared by every restored copy), "image" puts them inside the CRIU image."""
+    if weights not in WEIGHT_MODES:
+        raise SnapshotError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
     args = parse_serve_args(serve_argv)
     reasons = preflight(args, tools)
     if reasons:
@@ -116,7 +129,7 @@ def create(
     layout = Layout(root)
     proc = None
     try:
-        for d in (layout.images, layout.state, layout.logs, layout.work):
+        for d in (layout.images, layout.state, layout.logs, layout.work, layout.weights):
             d.mkdir(parents=True, exist_ok=True)
         layout.runtime_base.mkdir(mode=0o700, parents=True, exist_ok=True)
         manifest = Manifest(
@@ -129,18 +142,14 @@ def create(
             environment=relevant_environment(),
             host=args.host,
             port=args.port,
+            mode="mapped" if weights == "mapped" else "full",
         )
         write_manifest(root, manifest)
         env = {**os.environ, "XDG_RUNTIME_DIR": str(layout.runtime_base), "PYTHONUNBUFFERED": "1"}
-        argv = [
-            sys.executable,
-            "-m",
-            "frontend.cli",
-            "serve",
-            *serve_argv,
-            "--snapshot-park",
-            str(layout.state),
-        ]
+        argv = [sys.executable, "-m", "frontend.cli", "serve", *serve_argv]
+        argv += ["--snapshot-park", str(layout.state)]
+        if weights == "mapped":
+            argv += ["--weights-file", str(layout.weights / "rank0.bin")]
         started = time.perf_counter()
         proc = tools.launch(argv, env, manifest.cwd, layout.logs / "serve.log")
         canary = _wait_parked(proc, layout, timeout)
@@ -166,6 +175,7 @@ def create(
             init_seconds=round(init_seconds, 3),
             dump_seconds=round(dump_seconds, 3),
             image_bytes=sum(f.stat().st_size for f in layout.images.iterdir()),
+            weights=model_files(str(layout.weights)) if weights == "mapped" else None,
         )
         write_manifest(root, manifest)
         return manifest
@@ -257,7 +267,10 @@ def restore(
             f"the snapshot was made at {manifest.snapshot_dir} and moved to {layout.root}; its image "
             "refers to files under the original path, so restore it there"
         )
-    problems = differences(manifest.identity, host_identity(tools.version())) + model_changes(manifest.model)
+    problems = differences(manifest.identity, host_identity(tools.version()))
+    problems += folder_changes(manifest.model)
+    if manifest.weights is not None:
+        problems += folder_changes(manifest.weights, "mapped weights")
     if problems:
         raise SnapshotError("the snapshot does not match this host: " + "; ".join(problems))
     host = host or manifest.host
@@ -339,10 +352,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = sub.add_parser(
         "create",
         help="start `ember serve ARGS`, check it with a canary, dump it with CRIU into DIR",
-        description="ember snapshot create DIR [--] <ember serve arguments>",
+        description="ember snapshot create [--weights image] [--timeout S] DIR [--] <ember serve arguments>",
     )
     c.add_argument("dir")
     c.add_argument("--timeout", type=float, default=600.0, help="seconds for the engine to start")
+    c.add_argument(
+        "--weights",
+        choices=WEIGHT_MODES,
+        default="mapped",
+        help="mapped: weights in DIR/weights, mapped again on restore (default); image: inside the image",
+    )
     c.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments of `ember serve`")
     r = sub.add_parser("restore", help="bring a snapshot back and check its canary over HTTP")
     r.add_argument("dir")
@@ -364,9 +383,10 @@ def run(args: argparse.Namespace, tools: SnapshotTools | None = None) -> int:
         return 0 if manifest.complete else 1
     if args.snapshot_command == "create":
         serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
-        m = create(root, serve_args, tools, args.timeout)
+        m = create(root, serve_args, tools, args.timeout, args.weights)
+        where = "weights inside the image" if m.mode == "full" else "weights mapped from weights/"
         print(
-            f"ember snapshot: {root} created ({m.mode} mode: weights inside the image), "
+            f"ember snapshot: {root} created ({m.mode} mode: {where}), image "
             f"{m.image_bytes / 2**20:.0f} MiB; engine ready in {m.init_seconds:.2f}s, dumped in "
             f"{m.dump_seconds:.2f}s; canary token {m.canary.token_id} {m.canary.text!r} "
             f"logprob {m.canary.logprob:.4f}"

@@ -5,7 +5,8 @@ the schema version, a complete flag (false until the image is fully written), th
 machine and software the image is only valid on (engine, Python, torch and CRIU versions, kernel
 release, machine id, architecture, device), the model with a content hash, the serve argv, the
 relevant environment variables and the canary. `differences()` names each identity field that differs
-from this host; `model_changes()` re-hashes the model only when a file's size or mtime changed.
+from this host; `folder_changes()` re-hashes a folder (the model, the mapped weights) only when a
+file's size or mtime changed.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelFiles(msgspec.Struct, frozen=True, kw_only=True):
-    """The checkpoint folder: every top-level file's size and mtime, and a sha256 over their bytes."""
+    """A folder (the checkpoint; the mapped weights): each top-level file's size and mtime, and a
+    sha256 over their bytes."""
 
     path: str
     files: dict[str, tuple[int, int]]  # name -> (size, mtime_ns)
@@ -74,7 +76,8 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     environment: dict[str, str]
     host: str  # the default address of a restore (the create's --host/--port)
     port: int
-    mode: str = "full"  # "full": the weights are inside the image
+    mode: str = "full"  # "full": the weights are inside the image; "mapped": in weights/, mapped
+    weights: ModelFiles | None = None  # the mapped weights' folder ("mapped" mode)
     runtime_dir: str = ""  # the engine's IPC directory, recreated before each restore
     canary: Canary | None = None
     init_seconds: float = 0.0  # launch to parked (load, warm-up, canary)
@@ -175,21 +178,21 @@ def model_files(model_dir: str) -> ModelFiles:
     return ModelFiles(path=str(path), files=stats, content_hash=_content_hash(path, list(stats)))
 
 
-def model_changes(recorded: ModelFiles) -> list[str]:
-    """Why the checkpoint on disk is not the one in the image (empty when it is). Files whose size
-    and mtime are unchanged are trusted; otherwise the whole folder is hashed again."""
+def folder_changes(recorded: ModelFiles, what: str = "model") -> list[str]:
+    """Why the folder on disk is not the one the image was made with (empty when it is). Files whose
+    size and mtime are unchanged are trusted; otherwise the whole folder is hashed again."""
     path = Path(recorded.path)
     if not path.is_dir():
-        return [f"model: {path} is gone"]
+        return [f"{what}: {path} is gone"]
     stats = _model_stats(path)
     if stats == recorded.files:
         return []
     if sorted(stats) != sorted(recorded.files):
         added, gone = sorted(set(stats) - set(recorded.files)), sorted(set(recorded.files) - set(stats))
-        return [f"model: files added {added} / removed {gone} in {path}"]
+        return [f"{what}: files added {added} / removed {gone} in {path}"]
     if _content_hash(path, list(stats)) != recorded.content_hash:
         changed = [n for n in stats if stats[n] != tuple(recorded.files[n])]
-        return [f"model: the content of {path} changed ({', '.join(changed)})"]
+        return [f"{what}: the content of {path} changed ({', '.join(changed)})"]
     return []
 
 

@@ -142,7 +142,7 @@ def serve_parser() -> argparse.ArgumentParser:
     from frontend import serve
     from frontend.cli import add_engine_args
 
-    p = argparse.ArgumentParser(prog="ember serve", add_help=False, exit_on_error=False)
+    p = argparse.ArgumentParser(prog="ember serve", add_help=False, exit_on_error=False, allow_abbrev=False)
     serve.add_arguments(p)
     add_engine_args(p)
     return p

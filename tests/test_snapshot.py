@@ -55,7 +55,17 @@ def snap(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         "snapshot", "create", str(root), "--", str(model), "--dtype", "float32", "--max-model-len", "256"
     )
     assert done.returncode == 0, done.stderr
-    assert re.search(r"created \(full mode: weights inside the image\), \d+ MiB", done.stdout), done.stdout
+    assert re.search(r"created \(mapped mode: weights mapped from weights/\), image \d+ MiB", done.stdout)
+    return root
+
+
+@pytest.fixture(scope="module")
+def snap_image(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("snapshots") / "tiny-image"
+    argv = ["snapshot", "create", "--weights", "image", str(root), str(model), "--dtype", "float32"]
+    done = ember(*argv, "--max-model-len", "256")
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"created \(full mode: weights inside the image\), image \d+ MiB", done.stdout)
     return root
 
 
@@ -158,35 +168,62 @@ def test_restore_refuses_changed_weights(snap: Path, model: Path, restored) -> N
     restored()  # same bytes again (a newer mtime): the content hash decides
 
 
-def test_tampered_image_fails_its_canary(snap: Path, model: Path) -> None:
-    """Negate the LM head inside the worker's memory image: the restored engine must be refused."""
-    head = load_file(str(model / "model.safetensors"))["lm_head.weight"].astype(np.float32).tobytes()
-    for image in sorted((snap / "images").glob("pages-*.img")):
-        data = image.read_bytes()
-        at = data.find(head)
+def _lm_head(model: Path) -> bytes:
+    return load_file(str(model / "model.safetensors"))["lm_head.weight"].astype(np.float32).tobytes()
+
+
+def _find(files: list[Path], data: bytes) -> tuple[Path, int]:
+    for path in files:
+        at = path.read_bytes().find(data)
         if at >= 0:
-            break
-    else:
-        pytest.fail("the LM head is not in the image")
-    tampered = (-np.frombuffer(head, dtype=np.float32)).tobytes()
-    with open(image, "r+b") as f:
+            return path, at
+    pytest.fail("the LM head is not in " + ", ".join(map(str, files)))
+
+
+def _overwrite(path: Path, at: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
         f.seek(at)
-        f.write(tampered)
+        f.write(data)
+
+
+def test_tampered_image_fails_its_canary(snap_image: Path, model: Path) -> None:
+    """Negate the LM head inside the worker's memory image: the restored engine must be refused."""
+    head = _lm_head(model)
+    image, at = _find(sorted((snap_image / "images").glob("pages-*.img")), head)
+    _overwrite(image, at, (-np.frombuffer(head, dtype=np.float32)).tobytes())
     try:
-        done = ember("snapshot", "restore", str(snap), "--port", "0")
+        done = ember("snapshot", "restore", str(snap_image), "--port", "0")
     finally:
-        with open(image, "r+b") as f:
-            f.seek(at)
-            f.write(head)
+        _overwrite(image, at, head)
     assert done.returncode == 2
     assert "canary mismatch after restore" in done.stderr and "killed" in done.stderr
+    done = ember("snapshot", "restore", str(snap_image), "--port", "0")  # the intact image restores
+    assert done.returncode == 0, done.stderr
+    os.kill(int(re.search(r"\(pid (\d+)\)", done.stdout).group(1)), signal.SIGKILL)
+
+
+def test_changed_mapped_weights_are_refused_or_fail_the_canary(snap: Path, model: Path) -> None:
+    head = _lm_head(model)
+    weights, at = _find([snap / "weights" / "rank0.bin"], head)
+    stat = weights.stat()
+    _overwrite(weights, at, (-np.frombuffer(head, dtype=np.float32)).tobytes())
+    try:
+        done = ember("snapshot", "restore", str(snap), "--port", "0")
+        assert done.returncode == 2 and "mapped weights: the content of" in done.stderr
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # a change the file times hide
+        done = ember("snapshot", "restore", str(snap), "--port", "0")
+        assert done.returncode == 2 and "canary mismatch after restore" in done.stderr
+    finally:
+        _overwrite(weights, at, head)
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 def test_inspect_prints_the_manifest(snap: Path) -> None:
     done = ember("snapshot", "inspect", str(snap))
     assert done.returncode == 0
     m = json.loads(done.stdout)
-    assert m["complete"] and m["schema_version"] == 1 and m["mode"] == "full"
+    assert m["complete"] and m["schema_version"] == 1 and m["mode"] == "mapped"
+    assert m["weights"]["files"]["rank0.bin"][0] > 0
     assert m["identity"]["criu_version"] == criu_version() and m["canary"]["prompt"]
     assert m["argv"][-2:] == ["--max-model-len", "256"] and m["image_bytes"] > 0
 

@@ -84,6 +84,7 @@ class Worker:
         self.dtype = getattr(torch, config.model.dtype)
         self.backend = select_backend(self.device, config.device.attention_backend)
         self.runner: ModelRunner | None = None
+        self.weights_map: object | None = None  # the mapping behind the weights with --weights-file
 
     def _from_cache(self) -> tuple[nn.Module | None, float, str]:
         """The model mapped from a preload daemon, or (None, 0, why not)."""
@@ -115,6 +116,11 @@ class Worker:
                 cfg.model.quantization,
                 show_progress,
             )
+        if cfg.load.weights_file and self.device.type == "cpu":
+            from workers.weight_cache.arena import map_to_file
+
+            self.weights_map = map_to_file(model, cfg.load.weights_file)
+            source += f", mapped from {cfg.load.weights_file}"
         draft = self._load_draft(show_progress)
         by_dtype: dict[str, int] = {}
         for p in itertools.chain(model.parameters(), draft.parameters() if draft is not None else ()):

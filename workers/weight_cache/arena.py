@@ -4,7 +4,9 @@ Runs in preload daemons (export) and engine workers (import). CPU: every tensor 
 memfd "arena" at an aligned offset, keeping its exact shape and strides; the daemon passes the file
 descriptor over its Unix socket (SCM_RIGHTS) and the engine maps it copy-on-write, so reads share the
 daemon's pages and a stray write can never reach them. CUDA: each tensor's storage is shared through
-a CUDA IPC handle. Tied tensors are exported once; the others are listed as aliases.
+a CUDA IPC handle. Tied tensors are exported once; the others are listed as aliases. `map_to_file`
+puts a model's tensors in a file in the same layout and maps it copy-on-write: CRIU then leaves the
+weights out of a snapshot's image and maps the file again on restore.
 """
 
 from __future__ import annotations
@@ -65,17 +67,22 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class CpuArena:
-    """The daemon's shared memory: one memfd holding every tensor of the model."""
+def _layout(entries: list[tuple[str, str, torch.Tensor]]) -> tuple[list[int], int]:
+    """Each tensor's aligned byte offset, and the total size."""
+    offsets, total = [], 0
+    for _, _, t in entries:
+        offsets.append(total)
+        nbytes = span_elements(t.shape, t.stride()) * t.element_size()
+        total += -(-nbytes // ALIGN) * ALIGN
+    return offsets, max(total, ALIGN)
 
-    def __init__(self, entries: list[tuple[str, str, torch.Tensor]]) -> None:
-        offsets, total = [], 0
-        for _, _, t in entries:
-            offsets.append(total)
-            nbytes = span_elements(t.shape, t.stride()) * t.element_size()
-            total += -(-nbytes // ALIGN) * ALIGN
-        self.size = max(total, ALIGN)
-        self.fd = os.memfd_create("ember-weights", os.MFD_CLOEXEC)
+
+class CpuArena:
+    """The daemon's shared memory: one memfd (or a file) holding every tensor of the model."""
+
+    def __init__(self, entries: list[tuple[str, str, torch.Tensor]], fd: int | None = None) -> None:
+        offsets, self.size = _layout(entries)
+        self.fd = os.memfd_create("ember-weights", os.MFD_CLOEXEC) if fd is None else fd
         os.ftruncate(self.fd, self.size)
         self.mm = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         base = torch.frombuffer(self.mm, dtype=torch.uint8)
@@ -89,6 +96,23 @@ class CpuArena:
             self.specs.append(
                 CacheTensor(name, kind, list(t.shape), list(t.stride()), dtype_name(t.dtype), off, nbytes)
             )
+
+
+def map_to_file(model: nn.Module, path: str) -> mmap.mmap:
+    """Move `model`'s parameters into the file at `path` (written, synced, then mapped copy-on-write
+    like `import_cpu`), so they are file pages rather than anonymous memory. Returns the mapping,
+    which must outlive the model."""
+    entries, aliases = named_tensors(model)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        arena = CpuArena(entries, fd)
+        arena.mm.flush()
+        os.fsync(fd)
+        views, mm = import_cpu(fd, arena.size, arena.specs)
+    finally:
+        os.close(fd)
+    repoint(model, views, aliases)
+    return mm
 
 
 def export_cuda(entries: list[tuple[str, str, torch.Tensor]]) -> list[CacheTensor]:
