@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -134,6 +135,29 @@ def test_tied_embeddings_share_one_tensor(make_ckpt):
     model = llm.engine.executor.worker.runner.model
     assert model.tie_word_embeddings
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_weights_file_serves_the_same_weights_from_file_pages(make_ckpt, tmp_path):
+    """--weights-file (used by snapshots): parameters live in a private mapping of the file, tied
+    weights stay shared, and generation is unchanged."""
+    path = str(make_ckpt("qwen3"))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1)
+    plain = LLM(path, dtype="float32", show_progress=False)
+    expected = plain.generate(["def f(x):", "Hello"], params, use_tqdm=False)
+    mapped = LLM(path, dtype="float32", weights_file=str(tmp_path / "w.bin"), show_progress=False)
+    worker = mapped.engine.executor.worker
+    model = worker.runner.model
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    spans = [ln for ln in maps if ln.endswith(str(tmp_path / "w.bin"))]
+    assert spans, "the weights file is mapped"
+    lo, hi = (int(x, 16) for x in spans[0].split()[0].split("-"))
+    assert all(lo <= p.data_ptr() < hi for p in model.parameters())
+    got = mapped.generate(["def f(x):", "Hello"], params, use_tqdm=False)
+    for a, b in zip(expected, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {k: v.logprob for k, v in pa.items()} == {k: v.logprob for k, v in pb.items()}
 
 
 @pytest.mark.e2e

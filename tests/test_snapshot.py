@@ -236,3 +236,21 @@ def test_create_refusals_and_failed_create(tmp_path: Path, model: Path) -> None:
     done = ember("snapshot", "create", str(tmp_path / "b"), str(model), "--num-kv-blocks", "1")
     assert done.returncode == 2 and "before parking" in done.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_restart_adds_a_snapshot_row(model: Path) -> None:
+    done = ember(
+        "bench", "restart", str(model), "--dtype", "float32", "--max-model-len", "256", "--mode", "snapshot"
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {
+        ln.split()[0]: ln.split()
+        for ln in done.stdout.splitlines()
+        if ln.split()[:1] in (["cold"], ["warm"], ["snapshot"])
+    }
+    assert set(rows) == {"cold", "warm", "snapshot"}, done.stdout
+    cold, snap = float(rows["cold"][1]), float(rows["snapshot"][1])
+    assert 0 < snap and 0 < cold and "(mapped mode, image" in done.stdout
+    found = re.search(r"snapshot restore ([\d.]+)x faster \(([\d.]+)s\)", done.stdout)
+    assert found and float(found.group(2)) == snap
+    assert abs(float(found.group(1)) - cold / snap) < 0.1 + 0.01 * cold / snap

@@ -181,7 +181,8 @@ def test_preflight_passes_plain_cpu_server(root_user: None) -> None:
 def test_create_writes_a_complete_manifest(made: tuple[Path, FakeTools]) -> None:
     root, tools = made
     m = read_manifest(root)
-    assert m.complete and m.mode == "full" and m.snapshot_dir == str(root.resolve())
+    assert m.complete and m.mode == "mapped" and m.snapshot_dir == str(root.resolve())
+    assert m.weights is not None and m.weights.path == str(root.resolve() / "weights")
     assert (m.canary.token_id, m.canary.text, m.canary.logprob) == (7, "x", -1.25)
     assert m.argv == ["--max-model-len", "64"] and m.image_bytes == 4096
     assert m.runtime_dir.endswith("ember-fake") and m.model.content_hash
@@ -197,6 +198,13 @@ def test_failed_create_leaves_nothing(tmp_path: Path, root_user: None) -> None:
     assert not (tmp_path / "snap").exists()
     time.sleep(0.1)
     assert not _alive(tools.dumped[0]), "the parked process was killed"
+
+
+def test_create_in_image_mode_and_bad_modes(tmp_path: Path, root_user: None) -> None:
+    m = snapshot.create(tmp_path / "snap", ["--max-model-len", "64"], FakeTools(), 60, weights="image")
+    assert m.mode == "full" and m.weights is None
+    with pytest.raises(SnapshotError, match="--weights must be one of mapped, image"):
+        snapshot.create(tmp_path / "other", [], FakeTools(), 60, weights="disk")
 
 
 def test_create_refuses_a_non_empty_directory(tmp_path: Path, root_user: None) -> None:

@@ -1,9 +1,12 @@
-"""`ember bench restart`: time to ready of a cold start from disk and of a warm restart from the cache.
+"""`ember bench restart`: time to ready of a cold start, a warm restart from the cache, a snapshot restore.
 
 Runs in the user's shell. Time to ready is measured from launching `ember serve` until `/health`
 answers 200 *and* a first token has come back from `/v1/completions` (not until the process starts).
 Cold: the server loads (and quantizes) the checkpoint itself. Warm: an `ember preload` daemon holds the
-processed weights and the server starts with `--load-format ipc_cache`. Prints both, and the ratio.
+processed weights and the server starts with `--load-format ipc_cache`. Snapshot (`--mode snapshot`,
+root and CRIU needed): a snapshot is made once (untimed), then `ember snapshot restore` is timed from
+its launch until it returns, which is after its canary token came back over HTTP. Prints each, and
+the ratios to cold.
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ from coreproc.config import EngineConfig
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")
     p.add_argument("--runs", type=int, default=1, help="measurements of each kind (the best is kept)")
+    p.add_argument(
+        "--mode",
+        choices=["preload", "snapshot"],
+        default="preload",
+        help="preload: cold and warm; snapshot: adds a row for `ember snapshot restore`",
+    )
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -75,6 +84,33 @@ def time_to_ready(cmd: list[str], timeout: float = 900.0) -> tuple[float, float,
             proc.kill()
 
 
+def snapshot_restore_time(config: EngineConfig, runs: int) -> tuple[float, str]:
+    """Best seconds of `ember snapshot restore` (launch to return) and a note on the snapshot."""
+    ember = [sys.executable, "-m", "frontend.cli"]
+    with tempfile.TemporaryDirectory(prefix="ember-bench-snap-") as tmp:
+        root = Path(tmp) / "snap"
+        made = subprocess.run(
+            [*ember, "snapshot", "create", str(root), *engine_flags(config), "--port", "0"],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode != 0:
+            raise RuntimeError(made.stderr.strip() or made.stdout.strip())
+        best = float("inf")
+        for _ in range(runs):
+            start = time.perf_counter()
+            done = subprocess.run(
+                [*ember, "snapshot", "restore", str(root), "--port", "0"], capture_output=True, text=True
+            )
+            seconds = time.perf_counter() - start
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr.strip())
+            os.kill(int(re.search(r"\(pid (\d+)\)", done.stdout).group(1)), signal.SIGKILL)
+            best = min(best, seconds)
+        note = re.search(r"\((\w+ mode)[^)]*\), image (\d+ MiB)", made.stdout)
+        return best, f"{note.group(1)}, image {note.group(2)}" if note else ""
+
+
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     serve = [sys.executable, "-m", "frontend.cli", "serve", *engine_flags(config), "--port", "0"]
     cold, cold_healthy, _ = min(time_to_ready(serve) for _ in range(args.runs))
@@ -106,5 +142,14 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"{'start':<8}{'time to ready (s)':>20}{'of which healthy (s)':>22}{'first token (s)':>17}")
     print(f"{'cold':<8}{cold:>20.2f}{cold_healthy:>22.2f}{cold - cold_healthy:>17.2f}")
     print(f"{'warm':<8}{warm:>20.2f}{warm_healthy:>22.2f}{warm - warm_healthy:>17.2f}")
-    print(f"summary: warm restart is {cold / warm:.1f}x faster than cold ({cold:.2f}s -> {warm:.2f}s)")
+    summary = f"summary: warm restart is {cold / warm:.1f}x faster than cold ({cold:.2f}s -> {warm:.2f}s)"
+    if args.mode == "snapshot":
+        try:
+            snap, note = snapshot_restore_time(config, args.runs)
+        except RuntimeError as e:
+            print(f"{'snapshot':<8}{'not measured: ' + str(e).splitlines()[-1]:>20}")
+        else:
+            print(f"{'snapshot':<8}{snap:>20.2f}{'-':>22}{'-':>17}   ({note})")
+            summary += f"; snapshot restore {cold / snap:.1f}x faster ({snap:.2f}s)"
+    print(summary)
     return 0
