@@ -259,6 +259,7 @@ class LoadConfig:
     preload_wait_timeout: float = 0.0  # seconds to wait for a daemon before loading from disk
     # CPU: after loading, serve the weights from a copy-on-write mapping of this file (snapshots)
     weights_file: str | None = None
+    worker_zygote: bool = True  # with ipc_cache, fork workers from the preload zygote when it is there
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -402,6 +403,7 @@ class EngineConfig:
         logits_processors: tuple[str, ...] | list[str] = (),
         speculative_config: str | dict | None = None,
         weights_file: str | None = None,
+        worker_zygote: bool = True,
     ) -> EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
         device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
@@ -461,7 +463,7 @@ class EngineConfig:
                 data_parallel_rank=data_parallel_rank,
             ),
             device=device_cfg,
-            load=LoadConfig(load_format, socket_dir, preload_wait_timeout, weights_file),
+            load=LoadConfig(load_format, socket_dir, preload_wait_timeout, weights_file, worker_zygote),
             logits_processors=tuple(logits_processors),
             speculative=speculative,
         )

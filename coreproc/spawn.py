@@ -66,7 +66,7 @@ class ForkedProcess:
 
 
 def _zygote(config: EngineConfig) -> Path | None:
-    if config.load.load_format != "ipc_cache":
+    if config.load.load_format != "ipc_cache" or not config.load.worker_zygote:
         return None
     from workers.weight_cache.fingerprint import default_socket_dir
     from workers.weight_cache.zygote import ZYGOTE_SOCKET

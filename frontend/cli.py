@@ -89,6 +89,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help='e.g. \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\'',
     )
     g.add_argument("--weights-file", default=None, help=argparse.SUPPRESS)  # set by `ember snapshot`
+    g.add_argument(
+        "--worker-zygote",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --load-format ipc_cache, fork workers from the preload zygote when one is running",
+    )
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
 
@@ -128,6 +134,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         logits_processors=tuple(args.logits_processors),
         speculative_config=args.speculative_config,
         weights_file=args.weights_file,
+        worker_zygote=args.worker_zygote,
     )
 
 

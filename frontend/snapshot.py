@@ -150,6 +150,8 @@ def create(
         argv += ["--snapshot-park", str(layout.state)]
         if weights == "mapped":
             argv += ["--weights-file", str(layout.weights / "rank0.bin")]
+        if args.load_format == "ipc_cache":  # workers forked by the zygote would be outside the tree
+            argv += ["--no-worker-zygote"]
         started = time.perf_counter()
         proc = tools.launch(argv, env, manifest.cwd, layout.logs / "serve.log")
         canary = _wait_parked(proc, layout, timeout)

@@ -182,11 +182,6 @@ def preflight(args: argparse.Namespace, tools: SnapshotTools) -> list[str]:
         reasons.append("tensor and data parallelism: a snapshot holds one single-device engine")
     if args.speculative_config:
         reasons.append("--speculative-config: speculative decoding is not snapshotted in this version")
-    if args.load_format == "ipc_cache":
-        reasons.append(
-            "--load-format ipc_cache: workers would come from the preload zygote, outside "
-            "the process tree; snapshot an engine that loads from disk"
-        )
     try:
         config = EngineConfig.create(**engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:

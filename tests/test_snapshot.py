@@ -254,3 +254,24 @@ def test_bench_restart_adds_a_snapshot_row(model: Path) -> None:
     found = re.search(r"snapshot restore ([\d.]+)x faster \(([\d.]+)s\)", done.stdout)
     assert found and float(found.group(2)) == snap
     assert abs(float(found.group(1)) - cold / snap) < 0.1 + 0.01 * cold / snap
+
+
+def test_snapshot_of_a_server_fed_by_the_preload_daemon(model: Path, tmp_path: Path) -> None:
+    """Weights from the preload cache; workers started as the tree's own children (not by the zygote)."""
+    from tests.test_preload import start_preload, stop
+
+    sockets = tmp_path / "sockets"
+    sockets.mkdir(mode=0o700)
+    daemon = start_preload(str(model), sockets, "--max-model-len", "256")
+    try:
+        root = tmp_path / "snap"
+        serve = [str(model), "--dtype", "float32", "--max-model-len", "256"]
+        serve += ["--load-format", "ipc_cache", "--socket-dir", str(sockets)]
+        done = ember("snapshot", "create", str(root), "--", *serve)
+        assert done.returncode == 0, done.stderr
+        assert "from ipc_cache, mapped from" in (root / "logs" / "serve.log").read_text()
+    finally:
+        stop(daemon)
+    done = ember("snapshot", "restore", str(root), "--port", "0")  # the daemon is gone: no matter
+    assert done.returncode == 0, done.stderr
+    os.kill(int(re.search(r"\(pid (\d+)\)", done.stdout).group(1)), signal.SIGKILL)

@@ -155,7 +155,6 @@ def test_versions_and_differences() -> None:
         (["--api-key", "k"], "4.1.1", "one plain unauthenticated HTTP server"),
         (["-tp", "2"], "4.1.1", "tensor and data parallelism"),
         (["--speculative-config", '{"method": "ngram"}'], "4.1.1", "speculative decoding"),
-        (["--load-format", "ipc_cache"], "4.1.1", "preload zygote"),
         (["--device", "cuda"], "4.1.1", "CUDA plugin"),
     ],
 )

@@ -84,7 +84,6 @@ class Worker:
         self.dtype = getattr(torch, config.model.dtype)
         self.backend = select_backend(self.device, config.device.attention_backend)
         self.runner: ModelRunner | None = None
-        self.weights_map: object | None = None  # the mapping behind the weights with --weights-file
 
     def _from_cache(self) -> tuple[nn.Module | None, float, str]:
         """The model mapped from a preload daemon, or (None, 0, why not)."""
@@ -119,7 +118,7 @@ class Worker:
         if cfg.load.weights_file and self.device.type == "cpu":
             from workers.weight_cache.arena import map_to_file
 
-            self.weights_map = map_to_file(model, cfg.load.weights_file)
+            map_to_file(model, cfg.load.weights_file)
             source += f", mapped from {cfg.load.weights_file}"
         draft = self._load_draft(show_progress)
         by_dtype: dict[str, int] = {}

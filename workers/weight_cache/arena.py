@@ -100,8 +100,8 @@ class CpuArena:
 
 def map_to_file(model: nn.Module, path: str) -> mmap.mmap:
     """Move `model`'s parameters into the file at `path` (written, synced, then mapped copy-on-write
-    like `import_cpu`), so they are file pages rather than anonymous memory. Returns the mapping,
-    which must outlive the model."""
+    like `import_cpu`), so they are file pages rather than anonymous memory. The mapping is kept as
+    `model.weight_mapping`, replacing (and so releasing) a preload cache's mapping."""
     entries, aliases = named_tensors(model)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -112,6 +112,7 @@ def map_to_file(model: nn.Module, path: str) -> mmap.mmap:
     finally:
         os.close(fd)
     repoint(model, views, aliases)
+    model.weight_mapping = mm
     return mm
 
 
