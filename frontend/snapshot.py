@@ -129,8 +129,10 @@ def create(
     layout = Layout(root)
     proc = None
     try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root.chmod(0o700)  # the image and weights hold the model and the process's memory
         for d in (layout.images, layout.state, layout.logs, layout.work, layout.weights):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(exist_ok=True)
         layout.runtime_base.mkdir(mode=0o700, parents=True, exist_ok=True)
         manifest = Manifest(
             created_at=now(),
@@ -281,7 +283,8 @@ def restore(
         os.makedirs(manifest.runtime_dir, mode=0o700, exist_ok=True)
         write_json_atomic(layout.state / "handoff.json", {"host": host, "port": port})
         stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        pid = tools.restore(layout.images, layout.work, f"restore-{stamp}.log", layout.work / f"{stamp}.pid")
+        log, pidfile = f"restore-{stamp}.log", layout.work / f"restore-{stamp}.pid"
+        pid = tools.restore(layout.images, layout.work, log, pidfile)
         try:
             url_host = f"[{host}]" if ":" in host else host
             got = _wait_and_ask(url_host, port, pid, manifest.canary.prompt, started + timeout)
@@ -292,6 +295,8 @@ def restore(
             raise
         finally:
             (layout.state / "handoff.json").unlink(missing_ok=True)
+        pidfile.unlink(missing_ok=True)  # CRIU's log stays only when the restore failed
+        (layout.work / log).unlink(missing_ok=True)
     return Restored(pid, f"http://{url_host}:{port}", time.perf_counter() - started, got)
 
 

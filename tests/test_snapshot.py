@@ -119,6 +119,7 @@ def test_one_snapshot_restores_twice_side_by_side(restored) -> None:
     (url1, pid1), (url2, pid2) = restored(), restored()
     assert url1 != url2 and pid1 != pid2
     assert greedy_ids(url1) == greedy_ids(url2)
+    assert not list((snap / "work").glob("restore-*")), "a successful restore leaves no CRIU log"
     os.kill(pid1, signal.SIGTERM)  # a restored server shuts down cleanly; the other keeps serving
     deadline = time.monotonic() + 60
     while Path(f"/proc/{pid1}").exists() and time.monotonic() < deadline:

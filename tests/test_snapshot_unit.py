@@ -188,6 +188,7 @@ def test_create_writes_a_complete_manifest(made: tuple[Path, FakeTools]) -> None
     assert m.identity == host_identity("4.1.1")
     assert not _alive(tools.dumped[0]), "the dumped tree is gone"
     assert not list(root.glob(".*.tmp")), "no temporary manifest left behind"
+    assert root.stat().st_mode & 0o777 == 0o700, "the image and weights are private"
 
 
 def test_failed_create_leaves_nothing(tmp_path: Path, root_user: None) -> None:
