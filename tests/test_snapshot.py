@@ -92,6 +92,14 @@ def restored(snap: Path):
             pass
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (whoever adopted the restored process may reap it late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def greedy_ids(url: str) -> list[list[int]]:
     out = []
     for prompt in PROMPTS:
@@ -115,15 +123,16 @@ def test_restored_server_generates_what_the_engine_generates(model: Path, restor
     assert greedy_ids(url) == expected
 
 
-def test_one_snapshot_restores_twice_side_by_side(restored) -> None:
+def test_one_snapshot_restores_twice_side_by_side(snap: Path, restored) -> None:
     (url1, pid1), (url2, pid2) = restored(), restored()
     assert url1 != url2 and pid1 != pid2
     assert greedy_ids(url1) == greedy_ids(url2)
     assert not list((snap / "work").glob("restore-*")), "a successful restore leaves no CRIU log"
     os.kill(pid1, signal.SIGTERM)  # a restored server shuts down cleanly; the other keeps serving
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{pid1}").exists() and time.monotonic() < deadline:
+    while running(pid1) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert not running(pid1), "SIGTERM stops a restored server"
     assert httpx.get(f"{url2}/health", timeout=10).status_code == 200
 
 
