@@ -1,0 +1,74 @@
+"""compare_peers runner for Ember itself, through its offline API (`coreproc.LLM`) in this process.
+
+Usage: `python -m tools.peers.run_ember JOB.json` from the repository root. Builds the engine, warms
+up, times one `generate` of all batch prompts and one streamed single request (the timing functions of
+`ember bench throughput` / `ember bench latency`), and prints one JSON line prefixed `PEER_RESULT `.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+
+def ember_version() -> str:
+    try:
+        version = metadata.version("ember-serve")
+    except metadata.PackageNotFoundError:
+        version = "?"
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return f"ember-serve {version}" + (f" ({commit})" if commit else "")
+
+
+def main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    # as the `ember` CLI does before torch loads OpenMP: spinning OpenMP threads starve the engine's own
+    # threads on a small machine (several times slower on 2 cores without it)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    from coreproc.config import EngineConfig
+    from coreproc.llm import LLM
+    from coreproc.protocol import SamplingParams
+    from tools.bench_latency import time_request
+
+    params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
+    load_start = time.time()
+    config = EngineConfig.create(job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"])
+    with LLM(config=config, show_progress=False) as llm:
+        ready_at = time.time()
+        device = llm.engine.executor.ready[0].device
+        llm.generate(job["warmup_prompts"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate(job["batch_prompts"], params, use_tqdm=False)
+        batch_s = time.perf_counter() - start
+        single = time_request(llm, job["single_prompt"], params, device)
+    result = {
+        "version": ember_version(),
+        "ready_at": ready_at,
+        "load_s": ready_at - load_start,
+        "batch_seconds": batch_s,
+        "batch_output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+        "single_seconds": single.latency_s,
+        "single_output_tokens": single.output_tokens,
+        "threads": torch.get_num_threads(),
+        "device": device,
+        "pid": os.getpid(),
+    }
+    print("PEER_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
