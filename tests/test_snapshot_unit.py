@@ -276,3 +276,37 @@ def test_restore_refuses_a_damaged_or_missing_manifest(tmp_path: Path) -> None:
     (tmp_path / MANIFEST).write_text("{not json")
     with pytest.raises(SnapshotError, match="is damaged"):
         snapshot.restore(tmp_path, FakeTools())
+
+
+HOLDER = textwrap.dedent(
+    """
+    import socket, sys, time, uvloop
+    loop = uvloop.new_event_loop()  # libuv keeps an io_uring descriptor on recent kernels
+    conn = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    print("ready", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_dump_problems_names_io_uring_and_external_tcp() -> None:
+    from frontend.snapshot_tools import dump_problems
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(port)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            peer, _ = listener.accept()
+            problems, internal = dump_problems(proc.pid)
+            fds = [os.readlink(f) for f in Path(f"/proc/{proc.pid}/fd").iterdir()]
+            peer.close()
+        finally:
+            proc.kill()
+            proc.wait()
+    assert not internal
+    assert any(f"-> 0100007F:{port:04X} leaves the process tree" in p for p in problems), problems
+    # reported exactly when the process holds one (libuv opens it on kernels that have io_uring)
+    assert any("io_uring descriptor" in p for p in problems) == ("anon_inode:[io_uring]" in fds)
