@@ -7,9 +7,6 @@ imports: `ember snapshot restore` is timed from its own start. Greedy, one token
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 CANARY_PROMPT = "The quick brown fox"
@@ -36,14 +33,3 @@ def canary_result(body: dict[str, Any]) -> dict[str, Any]:
         "text": choice["text"],
         "logprob": choice["logprobs"]["token_logprobs"][0],
     }
-
-
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write, fsync, rename: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -14,7 +14,6 @@ holds an io_uring descriptor, which CRIU cannot dump.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -24,10 +23,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreproc.config import EngineConfig
-from frontend.canary import canary_request, canary_result, write_json_atomic
+from frontend.canary import canary_request, canary_result
+from frontend.snapshot_manifest import write_json_atomic
 
 if TYPE_CHECKING:
+    from coreproc.config import EngineConfig
     from frontend.api_server import ServerConfig
 
 HANDOFF_POLL_S = 0.002
@@ -117,6 +117,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> int:
     """Initialize fully, answer the canary, wait for a restore's address, then serve (see module doc)."""
+    import asyncio
+
     from coreproc.launcher import CoreProcess
     from frontend.api_server import build_app
 
@@ -128,6 +130,8 @@ def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> i
 
 
 async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: float) -> int:
+    import asyncio  # here: `ember snapshot restore` imports this module for `bind` and is timed
+
     import httpx
     import uvicorn
 

@@ -21,14 +21,15 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from frontend.canary import CANARY_PROMPT, canary_request, canary_result, write_json_atomic
+import msgspec
+
+from frontend.canary import CANARY_PROMPT, canary_request, canary_result
 from frontend.snapshot_manifest import (
     Canary,
     Manifest,
@@ -40,6 +41,7 @@ from frontend.snapshot_manifest import (
     now,
     read_manifest,
     relevant_environment,
+    write_json_atomic,
     write_manifest,
 )
 from frontend.snapshot_tools import (
@@ -116,16 +118,13 @@ def create(
     if weights not in WEIGHT_MODES:
         raise SnapshotError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
     args = parse_serve_args(serve_argv)
-    reasons = preflight(args, tools)
+    reasons, config = preflight(args, tools)
     if reasons:
         raise SnapshotError("cannot snapshot: " + "; ".join(reasons))
     root = snapshot_dir.resolve()
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise SnapshotError(f"{root} exists and is not an empty directory")
-    from coreproc.config import EngineConfig
-    from frontend.cli import engine_kwargs
-
-    model_dir = EngineConfig.create(**engine_kwargs(args)).model.model
+    model_dir = config.model.model
     layout = Layout(root)
     proc = None
     try:
@@ -171,7 +170,7 @@ def create(
         dump_seconds = time.perf_counter() - started
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(30)
-        manifest = _replace(
+        manifest = msgspec.structs.replace(
             manifest,
             complete=True,
             runtime_dir=canary.pop("runtime_dir"),
@@ -190,12 +189,6 @@ def create(
         if layout.runtime_base != root / "run":
             shutil.rmtree(layout.runtime_base, ignore_errors=True)
         raise
-
-
-def _replace(manifest: Manifest, **changes: object) -> Manifest:
-    import msgspec
-
-    return msgspec.structs.replace(manifest, **changes)
 
 
 def _wait_parked(proc: subprocess.Popen, layout: Layout, timeout: float) -> dict:
@@ -228,14 +221,14 @@ class Restored:
 
 def check_port_free(host: str, port: int) -> int:
     """The port to use (a free one for 0); SnapshotError when it is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise SnapshotError(f"cannot restore onto {host}:{port}: {e.strerror}") from None
-        return s.getsockname()[1]
+    from frontend.serve import bind
+
+    try:
+        sock = bind(host, port)
+    except ValueError as e:
+        raise SnapshotError(f"cannot restore: {e}") from None
+    with sock:
+        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -380,8 +373,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, tools: SnapshotTools | None = None) -> int:
-    import msgspec
-
     tools = tools or SnapshotTools()
     root = Path(args.dir)
     if args.snapshot_command == "inspect":

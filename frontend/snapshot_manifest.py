@@ -12,6 +12,7 @@ file's size or mtime changed.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import subprocess
@@ -204,20 +205,29 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S%z")
 
 
-def write_manifest(snapshot_dir: Path, manifest: Manifest) -> None:
-    """Atomically: a reader sees the previous manifest or this one, never a torn file."""
-    path = snapshot_dir / MANIFEST
-    tmp = snapshot_dir / f".{MANIFEST}.tmp"
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write, fsync, rename, fsync the folder: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "wb") as f:
-        f.write(msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n")
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(snapshot_dir, os.O_RDONLY)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def write_manifest(snapshot_dir: Path, manifest: Manifest) -> None:
+    write_atomic(
+        snapshot_dir / MANIFEST, msgspec.json.format(msgspec.json.encode(manifest), indent=2) + b"\n"
+    )
 
 
 def read_manifest(snapshot_dir: Path) -> Manifest:

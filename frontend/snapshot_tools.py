@@ -17,8 +17,12 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from frontend.snapshot_manifest import SnapshotError, criu_version, version_at_least
+
+if TYPE_CHECKING:
+    from coreproc.config import EngineConfig
 
 MIN_CRIU = (4, 1)
 
@@ -158,8 +162,9 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def preflight(args: argparse.Namespace, tools: SnapshotTools) -> list[str]:
-    """Every reason this engine cannot be snapshotted here (empty: it can)."""
+def preflight(args: argparse.Namespace, tools: SnapshotTools) -> tuple[list[str], EngineConfig | None]:
+    """Every reason this engine cannot be snapshotted here (empty: it can), and its config (None when
+    the arguments do not make one)."""
     from coreproc.config import EngineConfig
     from frontend.cli import engine_kwargs
 
@@ -185,10 +190,10 @@ def preflight(args: argparse.Namespace, tools: SnapshotTools) -> list[str]:
     try:
         config = EngineConfig.create(**engine_kwargs(args))
     except (ValueError, FileNotFoundError) as e:
-        return [*reasons, str(e)]
+        return [*reasons, str(e)], None
     if config.device.resolved_type != "cpu":
         reasons.append(
             f"device {config.device.resolved}: GPU state needs CRIU's CUDA plugin, which this version "
             "does not drive; snapshots hold CPU engines"
         )
-    return reasons
+    return reasons, config

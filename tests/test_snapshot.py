@@ -164,7 +164,7 @@ def test_restore_refuses_another_machine_or_an_incomplete_snapshot(snap: Path) -
     assert done.returncode == 2 and "incomplete snapshot" in done.stderr
 
 
-def test_restore_refuses_changed_weights(snap: Path, model: Path, restored) -> None:
+def test_restore_refuses_a_changed_model(snap: Path, model: Path, restored) -> None:
     config = model / "config.json"
     original = config.read_text()
     config.write_text(original.replace('"rms_norm_eps"', '"rms_norm_eps" ', 1))

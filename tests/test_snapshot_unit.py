@@ -159,20 +159,21 @@ def test_versions_and_differences() -> None:
     ],
 )
 def test_preflight_refusals(root_user: None, argv: list[str], version: str, expected: str) -> None:
-    reasons = preflight(parse_serve_args(argv), FakeTools(version))
+    reasons, _ = preflight(parse_serve_args(argv), FakeTools(version))
     assert any(expected in r for r in reasons), reasons
 
 
 def test_preflight_needs_root_and_linux_x86(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
-    reasons = preflight(parse_serve_args([]), FakeTools())
+    reasons, _ = preflight(parse_serve_args([]), FakeTools())
     assert "CRIU needs root" in reasons
     assert any("Linux on x86-64" in r for r in reasons)
 
 
 def test_preflight_passes_plain_cpu_server(root_user: None) -> None:
-    assert preflight(parse_serve_args(["--max-model-len", "64"]), FakeTools()) == []
+    reasons, config = preflight(parse_serve_args(["--max-model-len", "64"]), FakeTools())
+    assert reasons == [] and config.model.max_model_len == 64
     with pytest.raises(SnapshotError, match="unknown serve arguments: --bogus"):
         parse_serve_args(["--bogus"])
 
