@@ -2,7 +2,8 @@
 
 A backend writes the step's new keys/values into the layer's paged cache, then runs decode
 attention on the leading decode rows and prefill attention on the rest. `TorchBackend` uses the
-pure-torch references (CPU and debugging); `TritonBackend` uses the Triton kernels (CUDA). The
+pure-torch references (debugging, or CPUs without the native ops); `CpuBackend` the native CPU decode
+op; `TritonBackend` the Triton kernels (CUDA). The
 runner picks one at start-up with `select_backend` and keeps it for the life of the process.
 """
 
@@ -14,9 +15,15 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.decode_attention import choose_num_splits, decode_attention_torch, decode_attention_triton
+from kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention_cpu,
+    decode_attention_torch,
+    decode_attention_triton,
+)
 from kernels.kv_write import write_kv_torch, write_kv_triton
 from kernels.metadata import AttentionMetadata
+from kernels.native import use_native
 from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
 
 ENV_VAR = "EMBER_ATTENTION_BACKEND"
@@ -101,6 +108,15 @@ class TorchBackend(PagedAttentionBackend):
     prefill_op = staticmethod(prefill_attention_torch)
 
 
+class CpuBackend(PagedAttentionBackend):
+    """The native CPU decode op; cache writes and prefill stay on the torch references."""
+
+    name = "cpu"
+    write_kv_op = staticmethod(write_kv_torch)
+    decode_op = staticmethod(decode_attention_cpu)
+    prefill_op = staticmethod(prefill_attention_torch)
+
+
 class TritonBackend(PagedAttentionBackend):
     name = "triton"
     write_kv_op = staticmethod(write_kv_triton)
@@ -112,15 +128,23 @@ class TritonBackend(PagedAttentionBackend):
         return {"num_splits": choose_num_splits(nd, k_cache.shape[2], meta.max_seq_len, q.device)}
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "triton": TritonBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "torch": TorchBackend,
+    "cpu": CpuBackend,
+    "triton": TritonBackend,
+}
 
 
 def select_backend(device: torch.device, override: str | None = None) -> AttentionBackend:
-    """override > $EMBER_ATTENTION_BACKEND > "triton" on CUDA, "torch" elsewhere."""
-    default = "triton" if torch.device(device).type == "cuda" else "torch"
-    name = (override or os.environ.get(ENV_VAR) or default).strip().lower()
+    """override > $EMBER_ATTENTION_BACKEND > "triton" on CUDA; on CPU "cpu" where the native ops
+    run (kernels/native.py), else "torch"."""
+    name = (override or os.environ.get(ENV_VAR) or "").strip().lower()
+    if not name:
+        name = "triton" if torch.device(device).type == "cuda" else "cpu" if use_native(device) else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
     if name == "triton" and torch.device(device).type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton attention backend needs CUDA, or TRITON_INTERPRET=1 to run on the CPU")
+    if name == "cpu" and not use_native(device, "native"):
+        raise ValueError("the cpu attention backend needs a CPU device")
     return BACKENDS[name]()

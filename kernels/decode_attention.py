@@ -1,7 +1,8 @@
 """Decode attention: one query token per request against its paged KV cache.
 
 Called by the attention backends for the decode part of the batch (the first num_decodes rows),
-on the model's device; the Triton kernel also runs on CPU under TRITON_INTERPRET=1 for tests.
+on the model's device; the Triton kernel also runs on CPU under TRITON_INTERPRET=1 for tests, and
+`decode_attention_cpu` is the native CPU op (built by kernels/native.py).
 q is [B, H, D]; the query of request b sits at position seq_lens[b] - 1 and sees keys
 0 .. seq_lens[b] - 1 (only the last `sliding_window` of them when a window is set). GQA maps
 query head h to kv head h // (H // Hkv). Math is float32; the output has the query dtype.
@@ -57,6 +58,24 @@ def decode_attention_torch(
         enable_gqa=num_heads != num_kv_heads,
     )
     result.copy_(attn[:, :, 0, :])
+    return result
+
+
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The native CPU op (kernels/csrc/cpu_attention.cpp): reads each block in place, no gather."""
+    result = torch.empty_like(q) if out is None else out
+    window = 0 if sliding_window is None else int(sliding_window)
+    torch.ops.ember.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, result)
     return result
 
 

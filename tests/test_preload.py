@@ -359,3 +359,30 @@ def _cmd(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_packed_bf16_weights_come_from_the_cache(model, tmp_path, monkeypatch):
+    """bf16 on the CPU fast path: the daemon holds the packed layout, an engine maps it and generates
+    what a disk-loaded engine does; an engine on the torch kernels does not take it (layout differs)."""
+    from kernels.native import load_native
+
+    if load_native() is not None:
+        pytest.skip(f"native CPU ops unavailable: {load_native()}")
+    sock = tmp_path / "sockets"
+    sock.mkdir(mode=0o700)
+    proc = start_preload(model, sock, "--dtype", "bfloat16")
+    try:
+        bf16 = dict(dtype="bfloat16", load_format="ipc_cache", socket_dir=str(sock), show_progress=False)
+        with LLM(model, dtype="bfloat16", show_progress=False) as disk:
+            expected = tokens(disk)
+        with LLM(model, **bf16) as cached:
+            assert source(cached) == ("ipc_cache", "")
+            head = cached.engine.executor.worker.runner.model.lm_head
+            assert head.weight.dim() == 3 and head.quant_attrs == {"out_features": 4096}
+            assert tokens(cached) == expected
+        monkeypatch.setenv("EMBER_CPU_KERNELS", "torch")
+        with LLM(model, **bf16) as plain:
+            weight_source, reason = source(plain)
+            assert weight_source == "disk" and "quant_config" in reason
+    finally:
+        stop(proc)

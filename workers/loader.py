@@ -122,6 +122,15 @@ def quantize(model: nn.Module) -> float:
     return time.perf_counter() - start
 
 
+def use_native_ops(model: nn.Module, enabled: bool) -> None:
+    """Switch the model's norms to the native CPU op (kernels/native.py) or back to torch."""
+    from workers.models.layers import RMSNorm
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.native = enabled
+
+
 def construct(
     model_dir: str,
     architecture: str,
@@ -131,6 +140,7 @@ def construct(
     backend: AttentionBackend,
     max_positions: int,
     quantization: str | None = None,
+    kernel: str = "torch",
 ) -> nn.Module:
     """The architecture's module tree on `device` (the meta device builds it without memory)."""
     from transformers import AutoConfig
@@ -138,7 +148,7 @@ def construct(
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     cls = resolve(architecture)
     with torch.device(device), default_dtype(dtype):
-        return cls(hf_config, tp, backend, max_positions, quant=make_method(quantization))
+        return cls(hf_config, tp, backend, max_positions, quant=make_method(quantization, kernel))
 
 
 def build_model(
@@ -151,12 +161,14 @@ def build_model(
     max_positions: int,
     quantization: str | None = None,
     show_progress: bool = True,
+    kernel: str = "torch",
 ) -> tuple[nn.Module, float, float]:
     """Instantiate the architecture on `device` in `dtype`, load its weights and quantize them.
 
     Returns (model, seconds loading, seconds in the quantization pass)."""
     start = time.perf_counter()
-    model = construct(model_dir, architecture, dtype, device, tp, backend, max_positions, quantization)
+    args = (model_dir, architecture, dtype, device, tp, backend, max_positions, quantization, kernel)
+    model = construct(*args)
     load_weights(model, checkpoint_files(Path(model_dir)), show_progress)
     model.eval()
     load_seconds = time.perf_counter() - start

@@ -20,8 +20,10 @@ from coreproc.config import ConfigError, EngineConfig
 from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
+from kernels.cpu_gemm import select_linear_kernel
+from kernels.native import use_native
 from workers.draft import DraftProposer
-from workers.loader import build_model
+from workers.loader import build_model, use_native_ops
 from workers.model_runner import ModelRunner
 from workers.models.layers import kv_bytes_per_token
 from workers.parallel import TPGroup
@@ -83,6 +85,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.model.dtype)
         self.backend = select_backend(self.device, config.device.attention_backend)
+        self.native = use_native(self.device)
+        self.linear_kernel = select_linear_kernel(self.device, self.dtype)
         self.runner: ModelRunner | None = None
 
     def _from_cache(self) -> tuple[nn.Module | None, float, str]:
@@ -114,6 +118,7 @@ class Worker:
                 cfg.model.max_model_len,
                 cfg.model.quantization,
                 show_progress,
+                self.linear_kernel,
             )
         if cfg.load.weights_file and self.device.type == "cpu":
             from workers.weight_cache.arena import map_to_file
@@ -121,6 +126,9 @@ class Worker:
             map_to_file(model, cfg.load.weights_file)
             source += f", mapped from {cfg.load.weights_file}"
         draft = self._load_draft(show_progress)
+        for m in (model, draft):
+            if m is not None:
+                use_native_ops(m, self.native)
         by_dtype: dict[str, int] = {}
         for p in itertools.chain(model.parameters(), draft.parameters() if draft is not None else ()):
             key = str(p.dtype).removeprefix("torch.")  # a draft's weights count with the target's
@@ -134,7 +142,7 @@ class Worker:
         kv_caches = self._allocate_kv(model, cfg.model.num_layers, num_blocks)
         log.info(
             "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB (%s) loaded in %.2fs, "
-            "quantized (%s) in %.2fs; backend %s",
+            "quantized (%s) in %.2fs; attention %s, linears %s",
             self.tp.rank,
             num_blocks,
             num_blocks * bytes_per_block / 2**20,
@@ -145,6 +153,7 @@ class Worker:
             cfg.model.quantization or "none",
             quant_seconds,
             self.backend.name,
+            self.linear_kernel,
         )
         ctx = ProcessorContext(cfg.model.vocab_size, cfg.model.max_model_len, str(self.device))
         processors = load_processors(engine_specs(cfg.logits_processors), ctx)
@@ -186,6 +195,7 @@ class Worker:
             d.max_model_len,
             None,
             show_progress,
+            self.linear_kernel,
         )
         log.info("rank %d: draft model %s loaded in %.2fs", self.tp.rank, d.model, seconds)
         return draft

@@ -109,3 +109,15 @@ def build_case():
 @pytest.fixture
 def naive_attention():
     return _naive_attention
+
+
+@pytest.fixture(scope="session")
+def native_ops() -> None:
+    """Ember's native CPU ops, built once per machine; tests that need them skip where they cannot build."""
+    from kernels.native import load_native
+
+    if DEVICE != "cpu":
+        pytest.skip("the native ops are CPU ops")
+    reason = load_native()
+    if reason is not None:
+        pytest.skip(f"native CPU ops unavailable: {reason}")

@@ -1,8 +1,8 @@
 """Tests of the attention backends and their selection (kernels/backend.py, kernels/metadata.py).
 
-Runs on CPU (Triton interpreter) or CUDA. TorchBackend and TritonBackend run the same mixed step
-(decodes, chunks after context, fresh prompts, padded rows) on caches holding stale garbage; both
-must write the same cache and agree with a naive per-token attention.
+Runs on CPU (Triton interpreter) or CUDA. TorchBackend, TritonBackend and (on CPU) CpuBackend run the
+same mixed step (decodes, chunks after context, fresh prompts, padded rows) on caches holding stale
+garbage; all must write the same cache and agree with a naive per-token attention.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kernels import AttentionBackend, AttentionMetadata, select_backend
-from kernels.backend import TorchBackend, TritonBackend
+from kernels.backend import CpuBackend, TorchBackend, TritonBackend
+from kernels.native import load_native
 
 pytestmark = pytest.mark.model
 
@@ -68,9 +69,29 @@ def test_metadata_build() -> None:
     assert meta.slot_mapping.tolist() == [0, 20, 12, 13, 14, 27]
 
 
+CPU_CASES = [(None, torch.float32), (6, torch.float32), (None, torch.bfloat16)]
+
+
+@pytest.mark.parametrize(("window", "dtype"), CPU_CASES)
+def test_cpu_backend_agrees_with_torch(build_case, naive_attention, native_ops, window, dtype) -> None:
+    """The native CPU decode op inside a mixed step: same cache writes, same outputs as the references."""
+    case = build_case(QUERY_LENS, SEQ_LENS, num_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype)
+    ref_out, ref_kv = _step(TorchBackend(), case, window, 2)
+    out, kv = _step(CpuBackend(), case, window, 2)
+    torch.testing.assert_close(kv, ref_kv, atol=0.0, rtol=0.0, equal_nan=True)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+    n = case.meta.num_actual_tokens
+    torch.testing.assert_close(out[:n].double(), naive_attention(case, window), atol=tol, rtol=tol)
+
+
 def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("EMBER_ATTENTION_BACKEND", raising=False)
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "torch")
     assert select_backend(torch.device("cpu")).name == "torch"
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "auto")
+    expected = "cpu" if load_native() is None else "torch"
+    assert select_backend(torch.device("cpu")).name == expected
     assert select_backend(torch.device("cuda")).name == "triton"
     assert isinstance(select_backend(torch.device("cpu"), "triton"), TritonBackend)
     monkeypatch.setenv("EMBER_ATTENTION_BACKEND", "triton")

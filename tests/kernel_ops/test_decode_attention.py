@@ -1,7 +1,8 @@
 """Tests of decode attention (kernels/decode_attention.py).
 
 Runs on CPU (Triton interpreter) or CUDA. The torch reference is checked against a naive per-token
-softmax loop; the Triton kernel (single pass and split-K) against the torch reference. Caches use
+softmax loop; the Triton kernel (single pass and split-K) and, on CPU, the native op against the torch
+reference. Caches use
 shuffled block ids and hold huge values / NaN in every slot outside a sequence.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from kernels.decode_attention import decode_attention_cpu, decode_attention_torch, decode_attention_triton
 
 pytestmark = pytest.mark.model
 
@@ -62,4 +63,26 @@ def test_decode_triton_writes_into_out_view(build_case) -> None:
     result = _run(decode_attention_triton, case, 8, out=big[1:4])
     assert result.data_ptr() == big[1:4].data_ptr()
     torch.testing.assert_close(big[1:4], _run(decode_attention_torch, case, 8), atol=1e-5, rtol=1e-5)
+    assert bool((big[0] == 7.0).all()) and bool((big[4] == 7.0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])
+def test_decode_cpu_matches_torch(build_case, naive_attention, native_ops, heads, window, dtype) -> None:
+    """The native op never reads slots past a sequence (they hold NaN), so its output is finite."""
+    case = build_case(ONES, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], block_size=8, dtype=dtype)
+    ref = _run(decode_attention_torch, case, window)
+    out = _run(decode_attention_cpu, case, window)
+    assert out.dtype == dtype and bool(torch.isfinite(out).all())
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), naive_attention(case, window), atol=tol, rtol=tol)
+
+
+def test_decode_cpu_writes_into_out_view(build_case, native_ops) -> None:
+    case = build_case([1, 1, 1], [3, 12, 30], num_heads=4, num_kv_heads=2)
+    big = torch.full((5, 4, 16), 7.0)
+    _run(decode_attention_cpu, case, None, out=big[1:4])
+    torch.testing.assert_close(big[1:4], _run(decode_attention_torch, case, None), atol=1e-5, rtol=1e-5)
     assert bool((big[0] == 7.0).all()) and bool((big[4] == 7.0).all())

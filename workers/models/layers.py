@@ -128,23 +128,41 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """Output projection to vocabulary logits (float32), gathered across TP ranks."""
+    """Output projection to vocabulary logits (float32), gathered across TP ranks.
+
+    `quant` (optional) is a method that processes and applies the head's weight like a linear layer's
+    (the CPU fast path packs it); without one the head is a plain matmul in the weight's dtype.
+    """
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, quant: QuantMethod | None = None) -> None:
+        super().__init__(vocab_size, hidden, tp)
+        if quant is not None:
+            self.quant = quant
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        quant = getattr(self, "quant", None)
+        local = F.linear(hidden, self.weight) if quant is None else quant.apply(self, hidden)
+        logits = self.tp.all_gather_last_dim(local)
         return logits[..., : self.vocab_size].float()
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Hugging Face's Llama/Qwen norms do."""
+    """Root-mean-square norm computed in float32, as Hugging Face's Llama/Qwen norms do.
+
+    `native` (set once by `workers.loader.use_native_ops`) runs the fused CPU op instead of the torch
+    reference below; both round the same way.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        self.native = False
         self.weight = _param(size)
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.dtype == self.weight.dtype:
+            return torch.ops.ember.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -164,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.model = DecoderModel(cfg, tp, layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        head_quant = None if self.tie_word_embeddings or quant is None else quant.head_method()
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, head_quant)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

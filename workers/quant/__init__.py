@@ -2,7 +2,8 @@
 
 Runs in worker processes (and the config validates names in every process). `resolve_name` maps
 aliases and refuses unknown methods with the list of supported ones; `make_method` builds the
-`QuantMethod` that every linear layer of the model shares.
+`QuantMethod` that every linear layer of the model shares (for no quantization, the linear kernel
+chosen by `kernels.cpu_gemm.select_linear_kernel` decides between plain and packed bf16 weights).
 """
 
 from __future__ import annotations
@@ -34,8 +35,12 @@ def resolve_name(name: str | None) -> str | None:
     return name
 
 
-def make_method(name: str | None, **params: Any) -> Any:
-    """The method object for a canonical name (None: the unquantized method)."""
+def make_method(name: str | None, kernel: str = "torch", **params: Any) -> Any:
+    """The method object for a canonical name (None: unquantized, packed for the "cpu_bf16" kernel)."""
+    if name is None and kernel == "cpu_bf16":
+        from workers.quant.packed import PackedBf16
+
+        return PackedBf16()
     if name is None:
         from workers.quant.base import Unquantized
 

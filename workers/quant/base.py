@@ -61,6 +61,11 @@ class QuantMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias) for the layer's processed weight."""
 
+    def head_method(self) -> QuantMethod | None:
+        """The method for an untied LM head's weight, or None to keep a plain matmul (the default:
+        quantizing the head costs accuracy that weight-only methods do not pay elsewhere)."""
+        return None
+
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight",)
 

@@ -24,7 +24,13 @@ from kernels import AttentionBackend
 from workers.parallel import TPGroup
 from workers.weight_cache.arena import import_cpu, import_cuda, install
 from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
-from workers.weight_cache.fingerprint import default_socket_dir, device_identity, fingerprint, socket_path
+from workers.weight_cache.fingerprint import (
+    default_socket_dir,
+    device_identity,
+    fingerprint,
+    linear_kernel,
+    socket_path,
+)
 
 
 class CacheUnavailable(Exception):
@@ -95,7 +101,8 @@ def load_from_cache(
     from workers.loader import construct
     from workers.quant import make_method
 
-    method = make_method(config.model.quantization)
+    kernel = linear_kernel(config)
+    method = make_method(config.model.quantization, kernel)
     if not method.cacheable:
         raise ValueError(f"quantization method {method.name} cannot be served from the preload cache")
     path = cache_socket(config, device, tp.rank, role)
@@ -127,6 +134,7 @@ def load_from_cache(
         backend,
         cfg.max_model_len,
         cfg.quantization,
+        kernel,
     )
     install(model, tensors, reply.tensors, reply.aliases)
     for name, attrs in reply.module_attrs.items():

@@ -30,7 +30,13 @@ from coreproc.ipc import Codec
 from coreproc.protocol import CacheReply, CacheRequest, DaemonReady
 from workers.weight_cache.arena import CpuArena, export_cuda, module_attrs, named_tensors, repoint
 from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
-from workers.weight_cache.fingerprint import device_identity, device_index, differences, fingerprint
+from workers.weight_cache.fingerprint import (
+    device_identity,
+    device_index,
+    differences,
+    fingerprint,
+    linear_kernel,
+)
 
 log = logging.getLogger("ember.preload")
 
@@ -50,7 +56,8 @@ class Daemon:
             fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise RuntimeError(f"another preload daemon already serves {socket_file}") from None
-        method = make_method(config.model.quantization)
+        kernel = linear_kernel(config)
+        method = make_method(config.model.quantization, kernel)
         if not method.cacheable:
             raise ValueError(f"quantization method {method.name} cannot be served from the preload cache")
         self.device = torch.device(config.device.resolved)
@@ -71,6 +78,7 @@ class Daemon:
             config.model.max_model_len,
             config.model.quantization,
             show_progress=False,
+            kernel=kernel,
         )
         entries, self.aliases = named_tensors(model)
         self.attrs = module_attrs(model)

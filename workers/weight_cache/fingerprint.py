@@ -71,6 +71,15 @@ def device_identity(device_type: str, index: int = 0) -> str:
     return "host-" + "-".join(parts)
 
 
+def linear_kernel(config: EngineConfig) -> str:
+    """The linear kernel an engine (or daemon) with `config` uses: it decides the processed layout."""
+    import torch
+
+    from kernels.cpu_gemm import select_linear_kernel
+
+    return select_linear_kernel(config.device.resolved, getattr(torch, config.model.dtype))
+
+
 def fingerprint(config: EngineConfig, tp_rank: int, device: str, role: str = "target") -> Fingerprint:
     """The key of one rank's processed weights under `config` on `device` (see `device_identity`)."""
     from workers.quant import make_method
@@ -86,7 +95,7 @@ def fingerprint(config: EngineConfig, tp_rank: int, device: str, role: str = "ta
         dp_rank=config.parallel.data_parallel_rank,
         dtype=model.dtype,
         quantization=model.quantization or "none",
-        quant_config=make_method(model.quantization).config_hash(),
+        quant_config=make_method(model.quantization, linear_kernel(config)).config_hash(),
         revision=model.revision or "",
         engine_version=engine_version(),
         device=device,

@@ -1,0 +1,122 @@
+// Ember CPU fast path: y[M, N] = x[M, K] @ W[N, K]^T with W in bf16, packed for AVX2 + FMA.
+//
+// Built on first use by kernels/cpu_gemm.py through torch.utils.cpp_extension (only light ATen
+// headers, ~15 s) and registered as torch.ops.ember.gemm_bf16; threads come from torch's own OpenMP
+// pool (at::parallel_for). Packed layout (see pack_bf16 in cpu_gemm.py): W is cut into
+// blocks of 16 output rows; block b stores, for every k, 8 32-bit lanes where lane i holds
+// W[16b + i, k] in its low half and W[16b + 8 + i, k] in its high half. One 256-bit load then gives
+// both halves as fp32 with one shift and one mask. Accumulation is fp32; activations are read as fp32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int kBlock = 16;   // output rows per packed block
+constexpr int kMaxRows = 6;  // rows of x per micro-kernel call
+constexpr int64_t kAhead = 64;  // k steps of weight prefetched ahead (2 KiB)
+constexpr int64_t kRowChunk = 48;  // rows of x kept hot while a thread walks its weight blocks
+
+// One virtual row v = u * R + r: x row r at k + u against weight step k + u, into c<v>a / c<v>b.
+// Named accumulators (not an array) so that GCC keeps all twelve in registers.
+#define EMBER_FMA(v, UA)                                            \
+  if constexpr ((v) < R * (UA)) {                                   \
+    constexpr int u = (v) / R, r = (v) % R;                         \
+    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + u);     \
+    c##v##a = _mm256_fmadd_ps(lo[u], xb, c##v##a);                  \
+    c##v##b = _mm256_fmadd_ps(hi[u], xb, c##v##b);                  \
+  }
+#define EMBER_STEP(UA)                                                                    \
+  {                                                                                       \
+    __m256 lo[UA], hi[UA];                                                                \
+    for (int u = 0; u < (UA); ++u) {                                                      \
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + u) * 8)); \
+      lo[u] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                              \
+      hi[u] = _mm256_castsi256_ps(_mm256_and_si256(v, mask));                             \
+    }                                                                                     \
+    EMBER_FMA(0, UA) EMBER_FMA(1, UA) EMBER_FMA(2, UA)                                     \
+    EMBER_FMA(3, UA) EMBER_FMA(4, UA) EMBER_FMA(5, UA)                                     \
+  }
+
+// out[r, 0:nvalid] = sum_k x[r, k] * W[block, k] for R rows of x (R <= 6). For short calls
+// (R = 1, 2, 3) the k loop is unrolled U ways so that R * U independent FMA chains stay in flight.
+template <int R, int U>
+void micro(const float* x, int64_t ldx, const uint32_t* w, int64_t K, float* out, int64_t ldo,
+           int nvalid) {
+  static_assert(R * U <= 6, "twelve accumulators at most");
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
+  __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
+  int64_t k = 0;
+  for (; k + U <= K; k += U) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAhead) * 8), _MM_HINT_T0);
+    EMBER_STEP(U)
+  }
+  for (; k < K; ++k) EMBER_STEP(1)
+  alignas(32) float acc[6][kBlock];
+  const __m256 all[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
+  for (int v = 0; v < 6; ++v) {
+    _mm256_store_ps(acc[v], all[v][0]);
+    _mm256_store_ps(acc[v] + 8, all[v][1]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < nvalid; ++j) {
+      float sum = 0.0f;
+      for (int u = 0; u < U; ++u) sum += acc[u * R + r][j];
+      out[r * ldo + j] = sum;
+    }
+}
+#undef EMBER_STEP
+#undef EMBER_FMA
+
+void rows(int R, const float* x, int64_t ldx, const uint32_t* w, int64_t K, float* out, int64_t ldo,
+          int nvalid) {
+  switch (R) {
+    case 1: return micro<1, 4>(x, ldx, w, K, out, ldo, nvalid);
+    case 2: return micro<2, 2>(x, ldx, w, K, out, ldo, nvalid);
+    case 3: return micro<3, 2>(x, ldx, w, K, out, ldo, nvalid);
+    case 4: return micro<4, 1>(x, ldx, w, K, out, ldo, nvalid);
+    case 5: return micro<5, 1>(x, ldx, w, K, out, ldo, nvalid);
+    default: return micro<6, 1>(x, ldx, w, K, out, ldo, nvalid);
+  }
+}
+
+}  // namespace
+
+// x [M, K] (fp32 or bf16, rows contiguous), packed [NB, K, 16] bf16, n = true output count.
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock, "gemm_bf16: bad shapes");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "gemm_bf16: CPU tensors only");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(), "gemm_bf16: packed must be contiguous bf16");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && n <= NB * kBlock && n > (NB - 1) * kBlock, "gemm_bf16: weight/input mismatch");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, n}, xf.options());
+  const float* xp = xf.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const uint32_t* wp = static_cast<const uint32_t*>(packed.const_data_ptr());
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t mc = std::min(kRowChunk, M - m0);
+    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int nvalid = static_cast<int>(std::min<int64_t>(kBlock, n - b * kBlock));
+        const uint32_t* wb = wp + b * K * 8;
+        for (int64_t r = 0; r < mc; r += kMaxRows) {
+          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, mc - r));
+          rows(R, xp + (m0 + r) * K, K, wb, K, op + (m0 + r) * n + b * kBlock, n, nvalid);
+        }
+      }
+    });
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+TORCH_LIBRARY(ember, m) {
+  m.def("gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor", gemm_bf16);
+}

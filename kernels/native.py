@@ -1,0 +1,99 @@
+"""Ember's native CPU ops: one small C++ library, built once per machine, and the switch that enables it.
+
+Used by worker processes (and the preload daemon) on CPU devices. `load_native` compiles
+csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: ~15 s, once) into
+$XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
+flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, decode_attention,
+rms_norm}. `use_native` decides once per process; $EMBER_CPU_KERNELS=torch turns the native ops off
+(the torch references then run everywhere), =native makes their absence an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ember.kernels")
+
+ENV_VAR = "EMBER_CPU_KERNELS"
+CHOICES = ("auto", "native", "torch")
+SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_gemm.cpp", "cpu_attention.cpp"))
+LIBRARY = "ember_cpu_ops"
+REQUIRED_FLAGS = ("avx2", "fma")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (from /proc/cpuinfo; empty where unreadable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def build_dir() -> Path:
+    """Where this machine's build lives: the folder's name pins sources, torch and CPU flags."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember" / "kernels"
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    key.update(f"|{torch.__version__}|{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode())
+    return base / key.hexdigest()[:16]
+
+
+@functools.cache
+def load_native() -> str | None:
+    """Build (first time) or load the library; None when its ops are registered, else why not."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the native CPU ops are x86-64 only (this is {platform.machine()})"
+    missing = [f for f in REQUIRED_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    folder = build_dir()
+    built = folder / f"{LIBRARY}.so"
+    if built.exists():
+        torch.ops.load_library(str(built))
+        return None
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    log.info("building Ember's native CPU ops into %s (once per machine, ~15 s)", folder)
+    try:
+        cpp_extension.load(
+            name=LIBRARY,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded (same soname)
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:
+        lines = str(e).strip().splitlines()
+        return f"building them failed: {lines[0] if lines else type(e).__name__}"
+    return None
+
+
+def use_native(device: torch.device | str, override: str | None = None) -> bool:
+    """override > $EMBER_CPU_KERNELS > auto (native on a CPU device that can build them)."""
+    choice = (override or os.environ.get(ENV_VAR) or "auto").strip().lower()
+    if choice not in CHOICES:
+        raise ValueError(f"{ENV_VAR}={choice!r} is not one of {', '.join(CHOICES)}")
+    if choice == "torch" or torch.device(device).type != "cpu":
+        return False
+    reason = load_native()
+    if reason is None:
+        return True
+    if choice == "native":
+        raise ValueError(f"{ENV_VAR}=native, but the native CPU ops are not available: {reason}")
+    log.warning("native CPU ops not available (%s); using the torch references", reason)
+    return False

@@ -1,0 +1,101 @@
+"""Tests of the CPU fast path's matmul and norm (kernels/cpu_gemm.py, kernels/native.py, RMSNorm).
+
+The packed layout round-trips exactly; the native bf16 matmul equals its torch reference (float32
+accumulation, so only summation order differs) over shapes that hit every micro-kernel row count, the
+row-chunk boundary and ragged output blocks; the native RMSNorm rounds exactly like the torch one in
+bf16. Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, ~15 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_gemm import gemm_bf16, gemm_bf16_torch, pack_bf16, select_linear_kernel, unpack_bf16
+from kernels.native import use_native
+from workers.models.layers import RMSNorm
+from workers.quant import make_method
+from workers.quant.packed import PackedBf16
+
+pytestmark = pytest.mark.model
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (16, 64), (17, 67), (100, 33)])
+def test_pack_round_trip(n: int, k: int) -> None:
+    w = torch.randn(n, k).bfloat16()
+    packed = pack_bf16(w)
+    assert packed.shape == (-(-n // 16), k, 16) and packed.dtype == torch.bfloat16
+    assert torch.equal(unpack_bf16(packed, n), w)
+    # lane i of block 0 holds rows i (low half) and i + 8 (high half) at each k
+    if n >= 16:
+        assert torch.equal(packed[0, 3, 2 * 5], w[5, 3]) and torch.equal(packed[0, 3, 2 * 5 + 1], w[13, 3])
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 50, 101])
+@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256), (40, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    packed = pack_bf16(w)
+    out = gemm_bf16(x, packed, n)
+    ref = gemm_bf16_torch(x, packed, n)
+    assert out.shape == (m, n) and out.dtype == dtype
+    exact = x.double() @ w.double().t()
+    tol = 1e-5 * k if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), exact, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_gemm_keeps_leading_dims_and_rejects_mismatch(native_ops) -> None:
+    w = torch.randn(24, 32).bfloat16()
+    x = torch.randn(2, 3, 32).bfloat16()
+    out = gemm_bf16(x, pack_bf16(w), 24)
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(out.float(), (x.float() @ w.float().t()), atol=1e-2, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="mismatch"):
+        gemm_bf16(torch.randn(3, 31), pack_bf16(w), 24)
+
+
+def test_packed_method_processes_and_applies(native_ops) -> None:
+    layer = torch.nn.Module()
+    method = PackedBf16()
+    method.create_weights(layer, 40, 24)
+    layer.weight.data = torch.randn(40, 24).bfloat16()
+    dense = layer.weight.data.clone()
+    method.process_weights_after_loading(layer)
+    assert layer.weight.shape == (3, 24, 16) and layer.quant_attrs == {"out_features": 40}
+    x, bias = torch.randn(5, 24).bfloat16(), torch.randn(40).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), dense.float(), bias.float())
+    torch.testing.assert_close(method.apply(layer, x, bias).float(), ref, atol=3e-2, rtol=3e-2)
+    assert method.config() != make_method(None).config()  # the layout is part of the cache fingerprint
+    assert method.head_method() is method and make_method(None).head_method() is None
+
+
+def test_kernel_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "torch")
+    assert select_linear_kernel("cpu", torch.bfloat16) == "torch" and not use_native("cpu")
+    assert isinstance(make_method(None, select_linear_kernel("cpu", torch.bfloat16)), type(make_method(None)))
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "auto")
+    assert select_linear_kernel("cpu", torch.float32) == "torch"
+    assert select_linear_kernel("meta", torch.bfloat16) == "torch"
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="auto, native, torch"):
+        use_native("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_rms_norm(native_ops, dtype: torch.dtype) -> None:
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96)
+    norm = norm.to(dtype)
+    x = torch.randn(7, 3, 96).to(dtype)[:, 1]  # rows of a strided view, as q/k norms see them
+    ref = norm(x)
+    norm.native = True
+    out = norm(x)
+    assert out.shape == ref.shape and out.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
