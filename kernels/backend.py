@@ -21,7 +21,7 @@ from kernels.decode_attention import (
     decode_attention_torch,
     decode_attention_triton,
 )
-from kernels.kv_write import write_kv_torch, write_kv_triton
+from kernels.kv_write import write_kv_cpu, write_kv_torch, write_kv_triton
 from kernels.metadata import AttentionMetadata
 from kernels.native import use_native
 from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
@@ -109,10 +109,10 @@ class TorchBackend(PagedAttentionBackend):
 
 
 class CpuBackend(PagedAttentionBackend):
-    """The native CPU decode op; cache writes and prefill stay on the torch references."""
+    """The native CPU cache write and decode op; prefill stays on the torch reference (SDPA)."""
 
     name = "cpu"
-    write_kv_op = staticmethod(write_kv_torch)
+    write_kv_op = staticmethod(write_kv_cpu)
     decode_op = staticmethod(decode_attention_cpu)
     prefill_op = staticmethod(prefill_attention_torch)
 

@@ -4,7 +4,7 @@ Used by worker processes (and the preload daemon) on CPU devices. `load_native` 
 csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: ~15 s, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
 flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, decode_attention,
-rms_norm}. `use_native` decides once per process; $EMBER_CPU_KERNELS=torch turns the native ops off
+rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process; $EMBER_CPU_KERNELS=torch turns the native ops off
 (the torch references then run everywhere), =native makes their absence an error.
 """
 
@@ -23,7 +23,9 @@ log = logging.getLogger("ember.kernels")
 
 ENV_VAR = "EMBER_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
-SOURCES = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_gemm.cpp", "cpu_attention.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / f for f in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp")
+)
 LIBRARY = "ember_cpu_ops"
 REQUIRED_FLAGS = ("avx2", "fma")
 

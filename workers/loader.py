@@ -123,11 +123,10 @@ def quantize(model: nn.Module) -> float:
 
 
 def use_native_ops(model: nn.Module, enabled: bool) -> None:
-    """Switch the model's norms to the native CPU op (kernels/native.py) or back to torch."""
-    from workers.models.layers import RMSNorm
-
+    """Switch the modules that have a fused native CPU op (those with a `native` flag: norms, rotary,
+    the MLP's activation) to it (kernels/native.py) or back to their torch code."""
     for module in model.modules():
-        if isinstance(module, RMSNorm):
+        if hasattr(module, "native"):
             module.native = enabled
 
 

@@ -1,9 +1,9 @@
-"""Tests of the CPU fast path's matmul and norm (kernels/cpu_gemm.py, kernels/native.py, RMSNorm).
+"""Tests of the CPU fast path's native ops (kernels/cpu_gemm.py, kernels/native.py, kernels/csrc).
 
 The packed layout round-trips exactly; the native bf16 matmul equals its torch reference (float32
 accumulation, so only summation order differs) over shapes that hit every micro-kernel row count, the
-row-chunk boundary and ragged output blocks; the native RMSNorm rounds exactly like the torch one in
-bf16. Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, ~15 s).
+row-chunk boundary and ragged output blocks; the native RMSNorm, rotary and SwiGLU round exactly like
+their torch references in bf16; the native cache write lands in the same slots. Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, ~15 s).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kernels.cpu_gemm import gemm_bf16, gemm_bf16_torch, pack_bf16, select_linear_kernel, unpack_bf16
+from kernels.kv_write import write_kv_cpu, write_kv_torch
 from kernels.native import use_native
-from workers.models.layers import RMSNorm
+from workers.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from workers.quant import make_method
 from workers.quant.packed import PackedBf16
 
@@ -99,3 +100,50 @@ def test_native_rms_norm(native_ops, dtype: torch.dtype) -> None:
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rotary_fraction", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_rotary_in_place(native_ops, dtype: torch.dtype, rotary_fraction: float) -> None:
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if rotary_fraction != 1.0:
+        cfg.rope_parameters["partial_rotary_factor"] = rotary_fraction
+    rope = RotaryEmbedding(cfg, 32, 64)
+    qkv = torch.randn(5, (4 + 2 + 2) * 32).to(dtype)  # q, k as strided views of one projection, as in models
+    q, k, _ = qkv.split([128, 64, 64], dim=-1)
+    q, k = q.reshape(5, 4, 32), k.reshape(5, 2, 32)
+    positions = torch.tensor([0, 3, 9, 10, 63])
+    ref_q, ref_k = rope(positions, q.clone(), k.clone())
+    rope.native = True
+    out_q, out_k = rope(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr(), "the native rotary works in place"
+    for out, ref in ((out_q, ref_q), (out_k, ref_k)):
+        if dtype == torch.bfloat16:
+            assert torch.equal(out, ref)
+        else:
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_silu_and_mul(native_ops, dtype: torch.dtype) -> None:
+    x = (torch.randn(9, 2 * 40) * 4).to(dtype)
+    out = torch.ops.ember.silu_and_mul(x)
+    ref = silu_and_mul(x)
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_native_write_kv(native_ops) -> None:
+    kv = torch.full((2, 6, 4, 2, 8), float("nan"))
+    ref_kv = kv.clone()
+    rows = torch.randn(5, 3, 2, 8)  # [T, k|v|other, Hkv, D]: key and value are strided views
+    slots = torch.tensor([7, -1, 0, 23, 12])
+    write_kv_cpu(rows[:, 0], rows[:, 1], kv[0], kv[1], slots)
+    write_kv_torch(rows[:, 0], rows[:, 1], ref_kv[0], ref_kv[1], slots)
+    torch.testing.assert_close(kv, ref_kv, atol=0.0, rtol=0.0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        write_kv_cpu(rows[:, 0], rows[:, 1], kv[0], kv[1], torch.tensor([0, 1, 2, 3, 24]))

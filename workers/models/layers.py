@@ -150,7 +150,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as Hugging Face's Llama/Qwen norms do.
 
     `native` (set once by `workers.loader.use_native_ops`) runs the fused CPU op instead of the torch
-    reference below; both round the same way.
+    reference below; both round the same way. Modules with such a flag declare it in `__init__`.
     """
 
     def __init__(self, size: int, eps: float) -> None:
@@ -210,6 +210,7 @@ class RotaryEmbedding(nn.Module):
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu)
         self.rotary_dim = rotary_dim
+        self.native = False  # set once by workers.loader.use_native_ops: the fused in-place CPU op
         self.max_positions = max_positions
         self.inv_freq, self.scaling = inv_freq.float(), scaling  # host copies: tables can be rebuilt
         self.materialize(torch.get_default_device())
@@ -230,6 +231,9 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, Hkv, D]; cos/sin: [T, 1, rotary_dim]
+        if self.native:
+            torch.ops.ember.rotary_(positions, q, k, self.cos, self.sin, self.rotary_dim)
+            return q, k
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         r = self.rotary_dim

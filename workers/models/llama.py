@@ -81,9 +81,12 @@ class DecoderMLP(nn.Module):
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], bias, tp, quant)
         self.down_proj = RowLinear(inter, cfg.hidden_size, bias, tp, quant)
+        self.native = False  # set once by workers.loader.use_native_ops: the fused CPU activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        act = torch.ops.ember.silu_and_mul(h.reshape(-1, h.shape[-1])) if self.native else silu_and_mul(h)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
