@@ -4,8 +4,9 @@ Used by worker processes (and the preload daemon) on CPU devices. `load_native` 
 csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: ~15 s, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
 flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, decode_attention,
-rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process; $EMBER_CPU_KERNELS=torch turns the native ops off
-(the torch references then run everywhere), =native makes their absence an error.
+rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process;
+$EMBER_CPU_KERNELS=torch turns the native ops off (the torch references then run everywhere), =native
+makes their absence an error.
 """
 
 from __future__ import annotations
