@@ -75,7 +75,8 @@ def decode_attention_cpu(
     """The native CPU op (kernels/csrc/cpu_attention.cpp): reads each block in place, no gather.
     Head sizes that are not a multiple of 8 take the torch reference."""
     if q.shape[-1] % 8:
-        return decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, out=out)
+        args = (q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+        return decode_attention_torch(*args, out=out)
     result = torch.empty_like(q) if out is None else out
     window = 0 if sliding_window is None else int(sliding_window)
     torch.ops.ember.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, result)

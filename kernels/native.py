@@ -27,6 +27,7 @@ CHOICES = ("auto", "native", "torch")
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / f for f in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp")
 )
+HEADERS = (Path(__file__).with_name("csrc") / "cpu_vec.h",)
 LIBRARY = "ember_cpu_ops"
 REQUIRED_FLAGS = ("avx2", "fma")
 
@@ -47,7 +48,7 @@ def build_dir() -> Path:
     """Where this machine's build lives: the folder's name pins sources, torch and CPU flags."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember" / "kernels"
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
     key.update(f"|{torch.__version__}|{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode())
     return base / key.hexdigest()[:16]
