@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from collections.abc import Callable
 
@@ -400,8 +399,6 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, R
 
 
 def main(argv: list[str] | None = None) -> int:
-    # before torch loads OpenMP: spinning threads starve this machine's other engine processes
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)

@@ -171,3 +171,53 @@ def test_cli_reports_one_line_errors(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "model directory not found" in lines[0]
+
+
+USED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "vocab_size",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "tie_word_embeddings",
+    "sliding_window",
+)
+
+
+def test_llama_config_read_without_transformers_matches_autoconfig(make_ckpt, tmp_path):
+    """A plain Llama config.json is read directly (no transformers import on the start-up path); every
+    field the models read equals what transformers' AutoConfig gives, defaults included."""
+    from transformers import AutoConfig
+
+    from workers.loader import read_hf_config
+    from workers.models.layers import rope_parameters
+
+    src = make_ckpt("llama")
+    for drop in ((), ("rms_norm_eps", "attention_bias", "mlp_bias", "head_dim", "num_key_value_heads")):
+        folder = tmp_path / f"drop{len(drop)}"
+        shutil.copytree(src, folder)
+        raw = json.loads((folder / "config.json").read_text())
+        for key in drop:
+            raw.pop(key, None)
+        (folder / "config.json").write_text(json.dumps(raw))
+        light, ref = read_hf_config(str(folder)), AutoConfig.from_pretrained(str(folder))
+        assert not hasattr(light, "to_dict"), "a plain Llama must not go through transformers"
+        for key in USED_FIELDS:
+            assert getattr(light, key) == getattr(ref, key, None), key
+        heads = ref.num_attention_heads
+        assert (light.num_key_value_heads or heads) == (ref.num_key_value_heads or heads)
+        ref_head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // heads
+        assert (light.head_dim or ref.hidden_size // heads) == ref_head_dim
+        for key in ("rope_type", "rope_theta"):
+            assert rope_parameters(light)[key] == rope_parameters(ref)[key], key
+
+
+def test_other_configs_go_through_transformers(make_ckpt):
+    from workers.loader import read_hf_config
+
+    for arch in ("qwen2", "mistral"):
+        assert hasattr(read_hf_config(str(make_ckpt(arch))), "to_dict"), arch

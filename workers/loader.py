@@ -13,6 +13,8 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -130,6 +132,48 @@ def use_native_ops(model: nn.Module, enabled: bool) -> None:
             module.native = enabled
 
 
+# What a Llama config.json must spell out for `read_hf_config` to skip transformers, and the values
+# LlamaConfig gives the optional fields the models read when they are absent.
+LLAMA_REQUIRED = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+)
+LLAMA_DEFAULTS = {
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "head_dim": None,
+    "num_key_value_heads": None,
+    "sliding_window": None,
+    "layer_types": None,
+}
+
+
+def read_hf_config(model_dir: str) -> Any:
+    """The checkpoint's config: for a plain Llama (default rotary) the config.json values themselves
+    with LlamaConfig's defaults, which saves importing transformers' config machinery (~3 s of a cold
+    start on a small CPU); for everything else transformers' AutoConfig."""
+    from workers.models.layers import rope_parameters
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    light = SimpleNamespace(**{**LLAMA_DEFAULTS, **raw})
+    if (
+        raw.get("model_type") == "llama"
+        and all(raw.get(k) is not None for k in LLAMA_REQUIRED)
+        and rope_parameters(light)["rope_type"] == "default"
+        and "partial_rotary_factor" not in raw
+    ):
+        return light
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
 def construct(
     model_dir: str,
     architecture: str,
@@ -142,9 +186,7 @@ def construct(
     kernel: str = "torch",
 ) -> nn.Module:
     """The architecture's module tree on `device` (the meta device builds it without memory)."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    hf_config = read_hf_config(model_dir)
     cls = resolve(architecture)
     with torch.device(device), default_dtype(dtype):
         return cls(hf_config, tp, backend, max_positions, quant=make_method(quantization, kernel))

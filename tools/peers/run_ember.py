@@ -33,9 +33,6 @@ def ember_version() -> str:
 
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    # as the `ember` CLI does before torch loads OpenMP: spinning OpenMP threads starve the engine's own
-    # threads on a small machine (several times slower on 2 cores without it)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(job["threads"])

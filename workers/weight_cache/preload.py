@@ -118,9 +118,10 @@ class Launcher:
 
     def start(self, timeout: float) -> None:
         env = dict(os.environ)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         zygote = [sys.executable, "-m", "workers.weight_cache.zygote", "--socket-dir", str(self.directory)]
+        # the zygote's children are engine workers: OpenMP's default (briefly spinning) wait policy
         self.zygote = subprocess.Popen(zygote, stdout=subprocess.PIPE, text=True, env=env)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the daemons only hold memory once loaded
         for p in self.places:
             cmd = [sys.executable, "-m", "workers.weight_cache.daemon", "--role", p.role]
             cmd += ["--tp-rank", str(p.tp_rank), "--socket", str(p.socket), "--ready-endpoint", self.endpoint]
