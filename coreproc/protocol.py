@@ -199,6 +199,7 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     logprobs: list[list[TokenLogprobs]] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     spec_token_ids: dict[str, list[int]] = {}  # draft-model proposals for the next step
+    execute_seconds: float = 0.0  # the worker's time on this step (inputs, forward, sampling)
 
 
 class WorkerReady(msgspec.Struct, kw_only=True):

@@ -65,6 +65,7 @@ class Scheduler:
             self.spec.num_speculative_tokens if self.spec and self.spec.method == "draft_model" else 0
         )
         self.num_steps = 0
+        self.worker_busy_seconds = 0.0  # summed RunnerOutput.execute_seconds
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
@@ -356,6 +357,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
+        self.worker_busy_seconds += out.execute_seconds
         for rid, tokens, logprobs in zip(out.req_ids, out.sampled_token_ids, out.logprobs):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -407,6 +409,7 @@ class Scheduler:
             "num_kv_blocks": self.kv.num_blocks,
             "num_blocks_in_use": self.kv.num_blocks_in_use(),
             "num_steps": self.num_steps,
+            "worker_busy_seconds": self.worker_busy_seconds,
             "num_preemptions": self.num_preemptions,
             "prefix_cache_queries": self.kv.queries,
             "prefix_cache_hits": self.kv.hits,

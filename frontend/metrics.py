@@ -67,6 +67,11 @@ _ENGINE_COUNTERS = {
     "spec_num_drafts": ("ember_spec_decode_num_drafts", "Speculative decoding: verification steps."),
     "spec_num_proposed": ("ember_spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens."),
     "spec_num_accepted": ("ember_spec_decode_num_accepted_tokens", "Speculative decoding: accepted tokens."),
+    "worker_busy_seconds": (
+        "ember_worker_busy_seconds",
+        "Seconds the worker spent executing steps (inputs, model forward, sampling); the rest of the "
+        "wall time is scheduling, IPC, detokenization and HTTP.",
+    ),
 }
 
 

@@ -171,6 +171,8 @@ def test_shared_prefixes_hit_the_cache(server_url: str, tmp_path: Path) -> None:
     assert r["input_lens"] == [64] * NUM_PROMPTS
     assert r["prefix_cache_queries"] >= NUM_PROMPTS * 64 - 16  # the engine may skip the last token
     assert r["prefix_hit_rate"] > 0
+    # Ember's /metrics also says how long the worker spent in steps: a share of the run's wall time
+    assert 0 < r["worker_busy_share"] <= 1.05
 
 
 @pytest.mark.e2e

@@ -27,6 +27,7 @@ __all__ = ["BenchServeConfig", "RequestRecord", "add_arguments", "compute_metric
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 PREFIX_COUNTERS = ("ember_prefix_cache_queries", "ember_prefix_cache_hits")
+BUSY_COUNTER = "ember_worker_busy_seconds"  # Ember's: worker time in steps
 MIN_TOKEN_ID = 10  # random prompt ids start here, clear of the usual special tokens
 # Chat prompts are text: this many-word pool gives roughly one to two tokens per word.
 WORDS = (
@@ -280,10 +281,10 @@ def _http_error(status: int, raw: bytes) -> str:
 async def _scrape(client: Any, cfg: BenchServeConfig) -> dict[str, float] | None:
     try:
         r = await client.get(cfg.base_url + "/metrics", headers=cfg.headers, timeout=10.0)
-        found = parse_counters(r.text, PREFIX_COUNTERS) if r.status_code == 200 else {}
+        found = parse_counters(r.text, (*PREFIX_COUNTERS, BUSY_COUNTER)) if r.status_code == 200 else {}
     except Exception:  # /metrics is optional
         return None
-    return found if len(found) == len(PREFIX_COUNTERS) else None
+    return found if all(name in found for name in PREFIX_COUNTERS) else None
 
 
 async def _settled_scrape(client: Any, cfg: BenchServeConfig) -> dict[str, float] | None:
@@ -367,6 +368,10 @@ async def run_benchmark(cfg: BenchServeConfig) -> dict[str, Any]:
         hits = after[PREFIX_COUNTERS[1]] - before[PREFIX_COUNTERS[1]]
         rate = hits / queries if queries > 0 else None
     result |= {"prefix_cache_queries": queries, "prefix_cache_hits": hits, "prefix_hit_rate": rate}
+    busy = None
+    if before is not None and after is not None and BUSY_COUNTER in before and BUSY_COUNTER in after:
+        busy = (after[BUSY_COUNTER] - before[BUSY_COUNTER]) / duration if duration > 0 else None
+    result["worker_busy_share"] = busy  # share of the run's wall time the worker spent in steps
     result |= {
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens if r.success else 0 for r in records],

@@ -146,6 +146,8 @@ def format_table(result: Mapping[str, Any], percentiles: Sequence[float]) -> str
         rows.append(("Goodput (requests/s)", f"{result['goodput']:.2f}"))
     hit = result.get("prefix_hit_rate")
     rows.append(("Prefix-cache hit rate", "n/a" if hit is None else f"{100 * hit:.1f}%"))
+    busy = result.get("worker_busy_share")
+    rows.append(("Worker busy in steps", "n/a" if busy is None else f"{100 * busy:.1f}% of wall time"))
     cols = ["mean", "median", "std"] + [percentile_name(q) for q in percentiles]
     width = 30 + 10 * len(cols)
     lines = [

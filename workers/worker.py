@@ -214,4 +214,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None, "execute_model called before load()"
-        return self.runner.execute(scheduler_output)
+        start = time.perf_counter()
+        out = self.runner.execute(scheduler_output)
+        out.execute_seconds = time.perf_counter() - start
+        return out
