@@ -15,13 +15,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
 constexpr int kBlock = 16;   // output rows per packed block
 constexpr int kMaxRows = 6;  // rows of x per micro-kernel call
 constexpr int64_t kAhead = 64;  // k steps of weight prefetched ahead (2 KiB)
-constexpr int64_t kRowChunk = 48;  // rows of x kept hot while a thread walks its weight blocks
+constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread walks its weight blocks
 
 // One virtual row v = u * R + r: x row r at k + u against weight step k + u, into c<v>a / c<v>b.
 // Named accumulators (not an array) so that GCC keeps all twelve in registers.
@@ -36,9 +37,14 @@ constexpr int64_t kRowChunk = 48;  // rows of x kept hot while a thread walks it
   {                                                                                       \
     __m256 lo[UA], hi[UA];                                                                \
     for (int u = 0; u < (UA); ++u) {                                                      \
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (k + u) * 8)); \
-      lo[u] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                              \
-      hi[u] = _mm256_castsi256_ps(_mm256_and_si256(v, mask));                             \
+      if constexpr (F32) {                                                                \
+        lo[u] = _mm256_loadu_ps(wf + (k + u) * kBlock);                                   \
+        hi[u] = _mm256_loadu_ps(wf + (k + u) * kBlock + 8);                               \
+      } else {                                                                            \
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (k + u) * 8)); \
+        lo[u] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                            \
+        hi[u] = _mm256_castsi256_ps(_mm256_and_si256(v, mask));                           \
+      }                                                                                   \
     }                                                                                     \
     EMBER_FMA(0, UA) EMBER_FMA(1, UA) EMBER_FMA(2, UA)                                     \
     EMBER_FMA(3, UA) EMBER_FMA(4, UA) EMBER_FMA(5, UA)                                     \
@@ -46,16 +52,20 @@ constexpr int64_t kRowChunk = 48;  // rows of x kept hot while a thread walks it
 
 // out[r, 0:nvalid] = sum_k x[r, k] * W[block, k] for R rows of x (R <= 6). For short calls
 // (R = 1, 2, 3) the k loop is unrolled U ways so that R * U independent FMA chains stay in flight.
-template <int R, int U>
-void micro(const float* x, int64_t ldx, const uint32_t* w, int64_t K, float* out, int64_t ldo,
+// w is the packed bf16 block, or (F32) the block already widened to float32 [K, 16] in the same
+// lane order, which spares the two conversion ops per k when many rows reuse the block.
+template <int R, int U, bool F32>
+void micro(const float* x, int64_t ldx, const void* w, int64_t K, float* out, int64_t ldo,
            int nvalid) {
   static_assert(R * U <= 6, "twelve accumulators at most");
   const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint32_t* wb = static_cast<const uint32_t*>(w);
+  const float* wf = static_cast<const float*>(w);
   __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
   __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
   int64_t k = 0;
   for (; k + U <= K; k += U) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAhead) * 8), _MM_HINT_T0);
+    if constexpr (!F32) _mm_prefetch(reinterpret_cast<const char*>(wb + (k + kAhead) * 8), _MM_HINT_T0);
     EMBER_STEP(U)
   }
   for (; k < K; ++k) EMBER_STEP(1)
@@ -75,15 +85,25 @@ void micro(const float* x, int64_t ldx, const uint32_t* w, int64_t K, float* out
 #undef EMBER_STEP
 #undef EMBER_FMA
 
-void rows(int R, const float* x, int64_t ldx, const uint32_t* w, int64_t K, float* out, int64_t ldo,
-          int nvalid) {
+template <bool F32>
+void rows(int R, const float* x, int64_t ldx, const void* w, int64_t K, float* out, int64_t ldo, int nvalid) {
   switch (R) {
-    case 1: return micro<1, 4>(x, ldx, w, K, out, ldo, nvalid);
-    case 2: return micro<2, 2>(x, ldx, w, K, out, ldo, nvalid);
-    case 3: return micro<3, 2>(x, ldx, w, K, out, ldo, nvalid);
-    case 4: return micro<4, 1>(x, ldx, w, K, out, ldo, nvalid);
-    case 5: return micro<5, 1>(x, ldx, w, K, out, ldo, nvalid);
-    default: return micro<6, 1>(x, ldx, w, K, out, ldo, nvalid);
+    case 1: return micro<1, 4, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 2: return micro<2, 2, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 3: return micro<3, 2, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 4: return micro<4, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 5: return micro<5, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
+    default: return micro<6, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
+  }
+}
+
+// The packed block (K x 8 lanes of bf16 pairs) widened to float32 [K, 16], same lane order.
+void widen_block(const uint32_t* w, int64_t K, float* dst) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8));
+    _mm256_storeu_ps(dst + k * kBlock, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    _mm256_storeu_ps(dst + k * kBlock + 8, _mm256_castsi256_ps(_mm256_and_si256(v, mask)));
   }
 }
 
@@ -103,13 +123,20 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   const uint32_t* wp = static_cast<const uint32_t*>(packed.const_data_ptr());
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
+    const bool widen = mc >= 2 * kMaxRows;  // the block serves several row tiles: widen it once
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<float> wide(widen ? K * kBlock : 0);
       for (int64_t b = b0; b < b1; ++b) {
         const int nvalid = static_cast<int>(std::min<int64_t>(kBlock, n - b * kBlock));
         const uint32_t* wb = wp + b * K * 8;
+        if (widen) widen_block(wb, K, wide.data());
         for (int64_t r = 0; r < mc; r += kMaxRows) {
           const int R = static_cast<int>(std::min<int64_t>(kMaxRows, mc - r));
-          rows(R, xp + (m0 + r) * K, K, wb, K, op + (m0 + r) * n + b * kBlock, n, nvalid);
+          float* o = op + (m0 + r) * n + b * kBlock;
+          if (widen)
+            rows<true>(R, xp + (m0 + r) * K, K, wide.data(), K, o, n, nvalid);
+          else
+            rows<false>(R, xp + (m0 + r) * K, K, wb, K, o, n, nvalid);
         }
       }
     });
