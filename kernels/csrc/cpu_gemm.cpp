@@ -21,7 +21,6 @@ namespace {
 
 constexpr int kBlock = 16;   // output rows per packed block
 constexpr int kMaxRows = 6;  // rows of x per micro-kernel call
-constexpr int64_t kAhead = 64;  // k steps of weight prefetched ahead (2 KiB)
 constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread walks its weight blocks
 
 // One virtual row v = u * R + r: x row r at k + u against weight step k + u, into c<v>a / c<v>b.
@@ -64,10 +63,7 @@ void micro(const float* x, int64_t ldx, const void* w, int64_t K, float* out, in
   __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
   __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
   int64_t k = 0;
-  for (; k + U <= K; k += U) {
-    if constexpr (!F32) _mm_prefetch(reinterpret_cast<const char*>(wb + (k + kAhead) * 8), _MM_HINT_T0);
-    EMBER_STEP(U)
-  }
+  for (; k + U <= K; k += U) EMBER_STEP(U)  // no software prefetch: it slowed the streams ~15% here
   for (; k < K; ++k) EMBER_STEP(1)
   alignas(32) float acc[6][kBlock];
   const __m256 all[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
