@@ -65,8 +65,11 @@ def load_native() -> str | None:
     folder = build_dir()
     built = folder / f"{LIBRARY}.so"
     if built.exists():
-        torch.ops.load_library(str(built))
-        return None
+        try:
+            torch.ops.load_library(str(built))
+            return None
+        except OSError:  # another process is still linking it: build below waits on its lock
+            pass
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)
