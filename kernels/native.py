@@ -1,7 +1,7 @@
 """Ember's native CPU ops: one small C++ library, built once per machine, and the switch that enables it.
 
 Used by worker processes (and the preload daemon) on CPU devices. `load_native` compiles
-csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: ~15 s, once) into
+csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: 30-60 s on 2 cores, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
 flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, decode_attention,
 rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process;
@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
@@ -72,9 +73,12 @@ def load_native() -> str | None:
             pass
     from torch.utils import cpp_extension
 
-    folder.mkdir(parents=True, exist_ok=True)
-    log.info("building Ember's native CPU ops into %s (once per machine, ~15 s)", folder)
+    log.info("building Ember's native CPU ops into %s (once per machine, up to a minute)", folder)
+    path = os.environ.get("PATH", "")
+    # the ninja that ships with this environment, also when its bin folder is not on PATH
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name=LIBRARY,
             sources=[str(s) for s in SOURCES],
@@ -87,6 +91,8 @@ def load_native() -> str | None:
     except (RuntimeError, OSError, ImportError) as e:
         lines = str(e).strip().splitlines()
         return f"building them failed: {lines[0] if lines else type(e).__name__}"
+    finally:
+        os.environ["PATH"] = path
     return None
 
 

@@ -1,7 +1,7 @@
 // Ember CPU fast path: y[M, N] = x[M, K] @ W[N, K]^T with W in bf16, packed for AVX2 + FMA.
 //
-// Built on first use by kernels/cpu_gemm.py through torch.utils.cpp_extension (only light ATen
-// headers, ~15 s) and registered as torch.ops.ember.gemm_bf16; threads come from torch's own OpenMP
+// Built on first use by kernels/native.py through torch.utils.cpp_extension (only light ATen
+// headers) and registered as torch.ops.ember.gemm_bf16; threads come from torch's own OpenMP
 // pool (at::parallel_for). Packed layout (see pack_bf16 in cpu_gemm.py): W is cut into
 // blocks of 16 output rows; block b stores, for every k, 8 32-bit lanes where lane i holds
 // W[16b + i, k] in its low half and W[16b + 8 + i, k] in its high half. One 256-bit load then gives

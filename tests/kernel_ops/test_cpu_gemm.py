@@ -4,7 +4,7 @@ The packed layout round-trips exactly; the native bf16 matmul equals its torch r
 accumulation, so only summation order differs) over shapes that hit every micro-kernel row count, the
 row-chunk boundary and ragged output blocks; the native RMSNorm, rotary and SwiGLU round exactly like
 their torch references in bf16; the native cache write lands in the same slots.
-Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, ~15 s).
+Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, under a minute).
 """
 
 from __future__ import annotations
