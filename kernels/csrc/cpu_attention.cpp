@@ -188,6 +188,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t* lp = lens.const_data_ptr<int64_t>();
   float* rp = result.mutable_data_ptr<float>();
   const int64_t tstride = table.size(1);
+  TORCH_CHECK(table.size(0) >= B && lens.numel() >= B, "decode_attention: fewer table rows than queries");
+  for (int64_t b = 0; b < B; ++b) {  // every block read below must exist (the torch reference raises too)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tstride * bs, "decode_attention: seq_len ", lp[b], " does not fit the table");
+    for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j) {
+      const int32_t blk = tp[b * tstride + j];
+      TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "decode_attention: block ", blk, " is outside the cache");
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_attention", [&] {
     const scalar_t* kp = k_cache.const_data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.const_data_ptr<scalar_t>();

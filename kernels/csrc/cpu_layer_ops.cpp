@@ -64,6 +64,9 @@ void rotary_(const at::Tensor& positions, const at::Tensor& q, const at::Tensor&
   const at::Tensor pos = positions.to(at::kLong).contiguous();
   const int64_t T = q.size(0);
   TORCH_CHECK(pos.numel() >= T && k.size(0) == T, "rotary_: positions do not cover the tokens");
+  const int64_t* pp = pos.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos.size(0), "rotary_: position ", pp[t], " is outside the table");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_", [&] {
     const float* c = cos.const_data_ptr<float>();
     const float* s = sin.const_data_ptr<float>();

@@ -120,6 +120,8 @@ def test_native_rotary_in_place(native_ops, dtype: torch.dtype, rotary_fraction:
     rope.native = True
     out_q, out_k = rope(positions, q, k)
     assert out_q.data_ptr() == q.data_ptr(), "the native rotary works in place"
+    with pytest.raises(RuntimeError, match="outside the table"):
+        rope(torch.tensor([0, 1, 2, 3, 64]), q, k)
     for out, ref in ((out_q, ref_q), (out_k, ref_k)):
         if dtype == torch.bfloat16:
             assert torch.equal(out, ref)

@@ -86,3 +86,11 @@ def test_decode_cpu_writes_into_out_view(build_case, native_ops) -> None:
     _run(decode_attention_cpu, case, None, out=big[1:4])
     torch.testing.assert_close(big[1:4], _run(decode_attention_torch, case, None), atol=1e-5, rtol=1e-5)
     assert bool((big[0] == 7.0).all()) and bool((big[4] == 7.0).all())
+
+
+def test_decode_cpu_refuses_blocks_outside_the_cache(build_case, native_ops) -> None:
+    case = build_case([1, 1], [3, 12], num_heads=4, num_kv_heads=2)
+    table = case.meta.block_tables.clone()
+    table[1, 0] = case.kv.shape[1]  # one past the last block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_attention_cpu(case.q, case.kv[0], case.kv[1], table, case.meta.seq_lens, case.scale, None)
