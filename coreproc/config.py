@@ -54,17 +54,23 @@ def engine_version() -> str:
         return "0+unknown"
 
 
-def cpu_has_fast_half() -> bool:
-    """Whether this CPU computes bfloat16/float16 natively (AVX-512 BF16 / AMX); else they are emulated."""
+def cpu_has_fast_half(dtype: str = "bfloat16") -> bool:
+    """Whether this CPU computes `dtype` (bfloat16 / float16) fast: natively (AVX-512 BF16 / FP16, AMX),
+    or, for bfloat16, through Ember's native CPU ops (AVX2 + FMA; not with EMBER_CPU_KERNELS=torch).
+    Otherwise torch emulates it, many times slower than float32."""
+    flags: set[str] = set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+                    break
     except OSError:
         pass
-    return False
+    if flags & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"}:
+        return True
+    native = os.environ.get("EMBER_CPU_KERNELS", "auto").strip().lower() != "torch"
+    return dtype == "bfloat16" and native and {"avx2", "fma"} <= flags
 
 
 def default_model_dir() -> Path:
@@ -102,8 +108,8 @@ class ModelConfig:
         quantization: str | None = None,
         revision: str | None = None,
     ) -> ModelConfig:
-        """Read config.json. dtype "auto" takes the checkpoint's dtype, except that on a CPU without
-        native half-precision arithmetic it computes in float32 (emulated bf16 is many times slower)."""
+        """Read config.json. dtype "auto" takes the checkpoint's dtype, except that on a CPU that would
+        only emulate it (`cpu_has_fast_half`) it computes in float32 (emulated bf16 is many times slower)."""
         path = Path(model) if model is not None else default_model_dir()
         if not path.is_dir():
             raise ConfigError(f"model directory not found: {path}")
@@ -133,7 +139,7 @@ class ModelConfig:
             dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
             if dtype not in DTYPES:
                 dtype = "float32"
-            if dtype != "float32" and device == "cpu" and not cpu_has_fast_half():
+            if dtype != "float32" and device == "cpu" and not cpu_has_fast_half(dtype):
                 dtype = "float32"
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])

@@ -233,11 +233,12 @@ def test_served_with_speculation(llama):
                 httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
                 == expect
             )
-        deadline = time.monotonic() + 10  # engine stats reach /metrics every second
-        while metric(url, "ember_spec_decode_num_draft_tokens_total") == 0:
-            assert time.monotonic() < deadline
+        # engine stats reach /metrics every second: a scrape may still show an earlier request's counts
+        deadline = time.monotonic() + 10
+        while metric(url, "ember_spec_decode_num_accepted_tokens_total") == 0:
+            assert time.monotonic() < deadline, "no accepted draft tokens reached /metrics"
             time.sleep(0.2)
-        assert metric(url, "ember_spec_decode_num_accepted_tokens_total") > 0
+        assert metric(url, "ember_spec_decode_num_draft_tokens_total") > 0
         assert 0 < metric(url, "ember_spec_decode_acceptance_rate") <= 1
     finally:
         stop_server(proc)

@@ -49,8 +49,11 @@ constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread wal
     EMBER_FMA(3, UA) EMBER_FMA(4, UA) EMBER_FMA(5, UA)                                     \
   }
 
-// out[r, 0:nvalid] = sum_k x[r, k] * W[block, k] for R rows of x (R <= 6). For short calls
-// (R = 1, 2, 3) the k loop is unrolled U ways so that R * U independent FMA chains stay in flight.
+// out[r, 0:nvalid] = sum_k x[r, k] * W[block, k] for R rows of x (R <= 6). The k loop may be unrolled
+// U ways into separate partial sums; gemm_bf16 uses U = 1 for every R, so each output is one FMA
+// chain over k in order whatever the batch: a row's result does not depend on the rows beside it
+// (batch invariance: speculative verification and batched decode give bit-identical logits). One
+// chain per lane still outruns DRAM here (~20 GB/s of weights per thread).
 // w is the packed bf16 block, or (F32) the block already widened to float32 [K, 16] in the same
 // lane order, which spares the two conversion ops per k when many rows reuse the block.
 template <int R, int U, bool F32>
@@ -84,9 +87,9 @@ void micro(const float* x, int64_t ldx, const void* w, int64_t K, float* out, in
 template <bool F32>
 void rows(int R, const float* x, int64_t ldx, const void* w, int64_t K, float* out, int64_t ldo, int nvalid) {
   switch (R) {
-    case 1: return micro<1, 4, F32>(x, ldx, w, K, out, ldo, nvalid);
-    case 2: return micro<2, 2, F32>(x, ldx, w, K, out, ldo, nvalid);
-    case 3: return micro<3, 2, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 1: return micro<1, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 2: return micro<2, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 3: return micro<3, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
     case 4: return micro<4, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
     case 5: return micro<5, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
     default: return micro<6, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
