@@ -336,7 +336,8 @@ async def run_benchmark(cfg: BenchServeConfig) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
         model = await _resolve_model(client, cfg)
-        before = await _scrape(client, cfg)
+        # settled: counters of earlier load may still be on their way to /metrics (refreshed every second)
+        before = await _settled_scrape(client, cfg)
         gate = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         t0 = time.perf_counter()
 
