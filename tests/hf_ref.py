@@ -32,9 +32,11 @@ def hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> torch.nn.Mod
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+def hf_greedy(
+    model_dir: str, prompt_ids: list[int], max_new_tokens: int, dtype: torch.dtype = torch.float32
+) -> tuple[list[int], list[float]]:
     """Greedy tokens (EOS suppressed, like min_new_tokens) and the raw logprob of each chosen token."""
-    model = hf_model(str(model_dir))
+    model = hf_model(str(model_dir), dtype)
     ids = torch.tensor([prompt_ids])
     out = model.generate(
         ids,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_ref import PROMPT_TEXTS, check_outputs_equal, hf_greedy, hf_model
+from hf_ref import PROMPT_TEXTS, check_outputs_equal, hf_greedy
 
 from coreproc import LLM, SamplingParams
 from coreproc.config import default_model_dir
@@ -36,24 +36,6 @@ def run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[
     toks = [o.outputs[0].token_ids for o in outs]
     lps = [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
     return toks, lps
-
-
-@torch.inference_mode()
-def hf_bf16_greedy(prompt: list[int]) -> tuple[list[int], list[float]]:
-    model = hf_model(str(default_model_dir()), torch.bfloat16)
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=MAX_NEW,
-        min_new_tokens=MAX_NEW,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=model.generation_config.pad_token_id or 0,
-    )
-    toks = out.sequences[0, len(prompt) :].tolist()
-    return toks, [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
 
 
 def assert_logprobs_close(a: list[list[float]], b: list[list[float]]) -> None:
@@ -88,7 +70,7 @@ def test_bf16_native_engine_tracks_hf(native_run) -> None:
     assert model.model.layers[0].mlp.down_proj.weight.dim() == 3, "linear weights must be packed"
     assert model.model.norm.native
     ref32 = [hf_greedy(str(default_model_dir()), p, MAX_NEW) for p in prompts]
-    ref16 = [hf_bf16_greedy(p) for p in prompts]
+    ref16 = [hf_greedy(str(default_model_dir()), p, MAX_NEW, torch.bfloat16) for p in prompts]
     ours = agreed(toks, [r[0] for r in ref32])
     theirs = agreed([r[0] for r in ref16], [r[0] for r in ref32])
     assert sum(ours) >= sum(theirs), f"Ember bf16 follows float32 for {ours}, HF bf16 for {theirs}"
