@@ -121,12 +121,11 @@ void scores_for(const float* q, int64_t D, const T* k, float* dst, int64_t ld, f
     case 10: return scores_row<T, GB, 10>(q, D, k, dst, ld, scale);
     case 12: return scores_row<T, GB, 12>(q, D, k, dst, ld, scale);
     case 32: return scores_row<T, GB, 32>(q, D, k, dst, ld, scale);
-    default:
-      for (int g = 0; g < GB; ++g) {
-        std::vector<float> row(D);
-        load_row(k, row.data(), D);
-        dst[g * ld] = dot(q + g * D, row.data(), D) * scale;
-      }
+    default: {  // other head sizes: widen the key row once, then a plain dot per query head
+      std::vector<float> row(D);
+      load_row(k, row.data(), D);
+      for (int g = 0; g < GB; ++g) dst[g * ld] = dot(q + g * D, row.data(), D) * scale;
+    }
   }
 }
 

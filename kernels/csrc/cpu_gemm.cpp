@@ -23,86 +23,76 @@ constexpr int kBlock = 16;   // output rows per packed block
 constexpr int kMaxRows = 6;  // rows of x per micro-kernel call
 constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread walks its weight blocks
 
-// One virtual row v = u * R + r: x row r at k + u against weight step k + u, into c<v>a / c<v>b.
-// Named accumulators (not an array) so that GCC keeps all twelve in registers.
-#define EMBER_FMA(v, UA)                                            \
-  if constexpr ((v) < R * (UA)) {                                   \
-    constexpr int u = (v) / R, r = (v) % R;                         \
-    const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k + u);     \
-    c##v##a = _mm256_fmadd_ps(lo[u], xb, c##v##a);                  \
-    c##v##b = _mm256_fmadd_ps(hi[u], xb, c##v##b);                  \
-  }
-#define EMBER_STEP(UA)                                                                    \
-  {                                                                                       \
-    __m256 lo[UA], hi[UA];                                                                \
-    for (int u = 0; u < (UA); ++u) {                                                      \
-      if constexpr (F32) {                                                                \
-        lo[u] = _mm256_loadu_ps(wf + (k + u) * kBlock);                                   \
-        hi[u] = _mm256_loadu_ps(wf + (k + u) * kBlock + 8);                               \
-      } else {                                                                            \
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + (k + u) * 8)); \
-        lo[u] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));                            \
-        hi[u] = _mm256_castsi256_ps(_mm256_and_si256(v, mask));                           \
-      }                                                                                   \
-    }                                                                                     \
-    EMBER_FMA(0, UA) EMBER_FMA(1, UA) EMBER_FMA(2, UA)                                     \
-    EMBER_FMA(3, UA) EMBER_FMA(4, UA) EMBER_FMA(5, UA)                                     \
+// 8 packed lanes -> rows i (low halves) and i + 8 (high halves) of a block as float32.
+inline void unpack8(const uint32_t* w, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// x row r at step k into c<r>a / c<r>b. Named accumulators (not an array) so that GCC keeps all
+// twelve in registers.
+#define EMBER_FMA(r)                                            \
+  if constexpr ((r) < R) {                                      \
+    const __m256 xb = _mm256_broadcast_ss(x + (r) * ldx + k);   \
+    c##r##a = _mm256_fmadd_ps(lo, xb, c##r##a);                 \
+    c##r##b = _mm256_fmadd_ps(hi, xb, c##r##b);                 \
   }
 
-// out[r, 0:nvalid] = sum_k x[r, k] * W[block, k] for R rows of x (R <= 6). The k loop may be unrolled
-// U ways into separate partial sums; gemm_bf16 uses U = 1 for every R, so each output is one FMA
-// chain over k in order whatever the batch: a row's result does not depend on the rows beside it
-// (batch invariance: speculative verification and batched decode give bit-identical logits). One
-// chain per lane still outruns DRAM here (~20 GB/s of weights per thread).
+// out[r, 0:nvalid] = sum_k x[r, k] * W[block, k] for R rows of x (R <= 6). Each output is one FMA
+// chain over k in order whatever R, so a row's result does not depend on the rows beside it (batch
+// invariance: speculative verification and batched decode give bit-identical logits). One chain per
+// lane still outruns DRAM here (~20 GB/s of weights per thread); no software prefetch either (it
+// slowed the weight streams ~15% here).
 // w is the packed bf16 block, or (F32) the block already widened to float32 [K, 16] in the same
 // lane order, which spares the two conversion ops per k when many rows reuse the block.
-template <int R, int U, bool F32>
+template <int R, bool F32>
 void micro(const float* x, int64_t ldx, const void* w, int64_t K, float* out, int64_t ldo,
            int nvalid) {
-  static_assert(R * U <= 6, "twelve accumulators at most");
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  static_assert(R <= kMaxRows, "twelve accumulators at most");
   const uint32_t* wb = static_cast<const uint32_t*>(w);
   const float* wf = static_cast<const float*>(w);
   __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
   __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
-  int64_t k = 0;
-  for (; k + U <= K; k += U) EMBER_STEP(U)  // no software prefetch: it slowed the streams ~15% here
-  for (; k < K; ++k) EMBER_STEP(1)
-  alignas(32) float acc[6][kBlock];
-  const __m256 all[6][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
-  for (int v = 0; v < 6; ++v) {
-    _mm256_store_ps(acc[v], all[v][0]);
-    _mm256_store_ps(acc[v] + 8, all[v][1]);
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < nvalid; ++j) {
-      float sum = 0.0f;
-      for (int u = 0; u < U; ++u) sum += acc[u * R + r][j];
-      out[r * ldo + j] = sum;
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 lo, hi;
+    if constexpr (F32) {
+      lo = _mm256_loadu_ps(wf + k * kBlock);
+      hi = _mm256_loadu_ps(wf + k * kBlock + 8);
+    } else {
+      unpack8(wb + k * 8, lo, hi);
     }
+    EMBER_FMA(0) EMBER_FMA(1) EMBER_FMA(2) EMBER_FMA(3) EMBER_FMA(4) EMBER_FMA(5)
+  }
+  alignas(32) float acc[kMaxRows][kBlock];
+  const __m256 all[kMaxRows][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(acc[r], all[r][0]);
+    _mm256_store_ps(acc[r] + 8, all[r][1]);
+    std::copy(acc[r], acc[r] + nvalid, out + r * ldo);
+  }
 }
-#undef EMBER_STEP
 #undef EMBER_FMA
 
 template <bool F32>
 void rows(int R, const float* x, int64_t ldx, const void* w, int64_t K, float* out, int64_t ldo, int nvalid) {
   switch (R) {
-    case 1: return micro<1, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
-    case 2: return micro<2, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
-    case 3: return micro<3, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
-    case 4: return micro<4, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
-    case 5: return micro<5, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
-    default: return micro<6, 1, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 1: return micro<1, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 2: return micro<2, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 3: return micro<3, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 4: return micro<4, F32>(x, ldx, w, K, out, ldo, nvalid);
+    case 5: return micro<5, F32>(x, ldx, w, K, out, ldo, nvalid);
+    default: return micro<6, F32>(x, ldx, w, K, out, ldo, nvalid);
   }
 }
 
 // The packed block (K x 8 lanes of bf16 pairs) widened to float32 [K, 16], same lane order.
 void widen_block(const uint32_t* w, int64_t K, float* dst) {
-  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = 0; k < K; ++k) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 8));
-    _mm256_storeu_ps(dst + k * kBlock, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-    _mm256_storeu_ps(dst + k * kBlock + 8, _mm256_castsi256_ps(_mm256_and_si256(v, mask)));
+    __m256 lo, hi;
+    unpack8(w + k * 8, lo, hi);
+    _mm256_storeu_ps(dst + k * kBlock, lo);
+    _mm256_storeu_ps(dst + k * kBlock + 8, hi);
   }
 }
 
