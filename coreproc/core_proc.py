@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import zmq
@@ -63,11 +64,26 @@ class CoreServer:
             raise ValueError(
                 f"{listen} is reachable from other hosts: give --curve-keys DIR (see `ember keygen`)"
             )
-        from frontend.tokenizer import eos_token_ids, load_tokenizer
-
         self.config = config
         self.shutdown_timeout = shutdown_timeout
-        self.eos_ids = eos_token_ids(config.model.model, load_tokenizer(config.model.tokenizer))
+        with ThreadPoolExecutor(1) as pool:  # the tokenizer loads while the workers start
+            eos = pool.submit(_eos_ids, config)
+            self._bind_and_start(config, listen, runtime_dir, curve_keys)
+            self.eos_ids = eos.result()
+        overlapped = config.scheduler.async_scheduling and config.speculative is None
+        self._step = self.engine.step_overlapped if overlapped else self.engine.step
+        self.owner: dict[str, bytes] = {}  # request id -> client identity
+        self._admitted: list[EngineOutput] = []  # acknowledgements to send after this drain
+        self.last_seen: dict[bytes, float] = {}  # client identity -> last message time
+        self.client_timeout = client_timeout
+        self._last_reap = time.monotonic()
+        self.stopping_since: float | None = None
+        self.parent_pid = parent_pid  # the launcher: if it disappears, nobody is left to serve
+
+    def _bind_and_start(
+        self, config: EngineConfig, listen: str, runtime_dir: Path, curve_keys: Path | None
+    ) -> None:
+        """Bind the client socket, start the workers and wait for them, build the engine core."""
         self.ctx = zmq.Context()
         self.curve = CurveServer(self.ctx, curve_keys) if curve_keys is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -81,15 +97,6 @@ class CoreServer:
         executor = MultiprocExecutor(config, runtime_dir)
         executor.serve_while_waiting(self.sock, lambda: self._drain(0), lambda: self.engine.check_stall())
         self.engine = EngineCore(config, executor)
-        overlapped = config.scheduler.async_scheduling and config.speculative is None
-        self._step = self.engine.step_overlapped if overlapped else self.engine.step
-        self.owner: dict[str, bytes] = {}  # request id -> client identity
-        self._admitted: list[EngineOutput] = []  # acknowledgements to send after this drain
-        self.last_seen: dict[bytes, float] = {}  # client identity -> last message time
-        self.client_timeout = client_timeout
-        self._last_reap = time.monotonic()
-        self.stopping_since: float | None = None
-        self.parent_pid = parent_pid  # the launcher: if it disappears, nobody is left to serve
 
     def info(self) -> EngineInfo:
         cfg = self.config
@@ -258,6 +265,12 @@ class CoreServer:
             self.curve.stop()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def _eos_ids(config: EngineConfig) -> list[int]:
+    from frontend.tokenizer import eos_token_ids, load_tokenizer
+
+    return eos_token_ids(config.model.model, load_tokenizer(config.model.tokenizer))
 
 
 def run_core_process(

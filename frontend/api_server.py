@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -40,6 +40,9 @@ from frontend.openai_protocol import (
 )
 from frontend.render import render_prompts
 from frontend.serving import ServingContext, engine_dead_error, error_response, serve_generation
+
+if TYPE_CHECKING:
+    from frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("ember.server")
 
@@ -117,8 +120,11 @@ class ApiKey:
 class Api:
     """Route handlers over one `ServingContext` (created when the app starts)."""
 
-    def __init__(self, address: str, model_dir: str, cfg: ServerConfig) -> None:
+    def __init__(
+        self, address: str, model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
+    ) -> None:
         self.address, self.model_dir, self.cfg = address, model_dir, cfg
+        self.tokenizer = tokenizer
         self.model_name = cfg.served_model_name or Path(model_dir).name
         self.accepted = {self.model_name, model_dir, str(Path(model_dir).resolve())}
         self.ctx: ServingContext | None = None
@@ -137,7 +143,7 @@ class Api:
             template = Path(template).read_text()
         self.ctx = ServingContext(
             client=client,
-            tokenizer=load_tokenizer(client.info_cache.model),
+            tokenizer=self.tokenizer or load_tokenizer(client.info_cache.model),
             info=client.info_cache,
             model_name=self.model_name,
             metrics=EngineMetrics(self.model_name),
@@ -311,9 +317,12 @@ async def not_allowed(request: Request, exc: Exception) -> Response:
     return error_response(err)
 
 
-def build_app(address: str, model_dir: str, cfg: ServerConfig) -> Starlette:
-    """The ASGI app for an engine core listening at `address`."""
-    api = Api(address, model_dir, cfg)
+def build_app(
+    address: str, model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
+) -> Starlette:
+    """The ASGI app for an engine core listening at `address` (the tokenizer loads at start-up unless
+    given)."""
+    api = Api(address, model_dir, cfg, tokenizer)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

@@ -20,6 +20,7 @@ import os
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,28 +91,39 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
-def run(args: argparse.Namespace, config: EngineConfig) -> int:
+def prepare_http(tokenizer_dir: str) -> tuple[Any, Any, Any]:
+    """The HTTP stack's imports and the tokenizer (uvicorn, build_app, tokenizer): done while the
+    engine starts, they are off the time to ready."""
     import uvicorn
 
-    from coreproc.launcher import CoreProcess
     from frontend.api_server import build_app
+    from frontend.tokenizer import load_tokenizer
+
+    return uvicorn, build_app, load_tokenizer(tokenizer_dir)
+
+
+def run(args: argparse.Namespace, config: EngineConfig) -> int:
+    from coreproc.launcher import CoreProcess
 
     if args.snapshot_park:
         return run_parked(args, config, Path(args.snapshot_park))
-    cfg = server_config(args)
-    sock = bind(cfg.host, cfg.port)
+    sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
-        print(describe_engine(core.address), flush=True)
-        app = build_app(core.address, config.model.model, cfg)
-        level = logging.getLevelName(logging.getLogger().level).lower()
-        server = uvicorn.Server(
-            uvicorn.Config(
-                app, loop="uvloop", log_level=level, timeout_graceful_shutdown=args.shutdown_timeout
+    with ThreadPoolExecutor(1) as pool:
+        prepared = pool.submit(prepare_http, config.model.tokenizer)
+        with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
+            uvicorn, build_app, tokenizer = prepared.result()
+            cfg = server_config(args)
+            print(describe_engine(core.address), flush=True)
+            app = build_app(core.address, config.model.model, cfg, tokenizer)
+            level = logging.getLevelName(logging.getLogger().level).lower()
+            server = uvicorn.Server(
+                uvicorn.Config(
+                    app, loop="uvloop", log_level=level, timeout_graceful_shutdown=args.shutdown_timeout
+                )
             )
-        )
-        print(f"ember serve: listening on http://{host}:{port}", flush=True)
-        server.run(sockets=[sock])
+            print(f"ember serve: listening on http://{host}:{port}", flush=True)
+            server.run(sockets=[sock])
     return 0
 
 

@@ -1,9 +1,10 @@
-"""bf16 weight x activation matmul for CPUs: a packed weight layout, the native op and its torch reference.
+"""bf16 and fp8 weight x activation matmuls for CPUs: packed weight layouts, the native ops, torch references.
 
-Runs in worker processes (and the preload daemon) on CPU engines with bf16 weights. `pack_bf16` turns
-a [N, K] weight into blocks of 16 output rows laid out for one 256-bit load per k (see
-csrc/cpu_gemm.cpp); `gemm_bf16` computes x @ W.T from that layout with the native AVX2 + FMA op
-(kernels/native.py builds it); `gemm_bf16_torch` is the reference (unpack, then a float32 matmul).
+Runs in worker processes (and the preload daemon) on CPU engines. `pack_bf16` turns a [N, K] bf16
+weight into blocks of 16 output rows laid out for one 256-bit load per k, `pack_fp8` a float8 e4m3
+weight into blocks of 16 rows with each k's 16 bytes together (see csrc/cpu_gemm.cpp); `gemm_bf16` /
+`gemm_fp8` compute x @ W.T from those layouts with the native AVX2 + FMA ops (kernels/native.py builds
+them); the `*_torch` functions are the references (unpack, then a float32 matmul).
 `select_linear_kernel` picks "cpu_bf16" or "torch" once per process.
 """
 
@@ -30,6 +31,32 @@ def unpack_bf16(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The [n, K] weight back from `pack_bf16`'s layout."""
     nb, k, _ = packed.shape
     return packed.view(nb, k, 8, 2).permute(0, 3, 2, 1).reshape(nb * BLOCK, k)[:n]
+
+
+def pack_fp8(weight: torch.Tensor) -> torch.Tensor:
+    """float8 [N, K] -> float8 [ceil(N/16), K, 16]: block b holds rows 16b..16b+15 side by side per k."""
+    n, k = weight.shape
+    nb = -(-n // BLOCK)
+    padded = torch.zeros(nb * BLOCK, k, dtype=torch.uint8, device=weight.device)
+    padded[:n] = weight.view(torch.uint8)
+    return padded.view(nb, BLOCK, k).transpose(1, 2).contiguous().view(weight.dtype)
+
+
+def unpack_fp8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The [n, K] weight back from `pack_fp8`'s layout."""
+    nb, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(nb * BLOCK, k)[:n]
+
+
+def gemm_fp8_torch(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """Reference: x [M, K] @ (W * scale).T in float32, returned in x's dtype."""
+    return ((x.float() @ unpack_fp8(packed, n).float().t()) * scale).to(x.dtype)
+
+
+def gemm_fp8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., K] @ (W * scale).T with the native op (float32 accumulation), in x's dtype."""
+    lead = x.shape[:-1]
+    return torch.ops.ember.gemm_fp8(x.reshape(-1, x.shape[-1]), packed, scale, n).view(*lead, n)
 
 
 def gemm_bf16_torch(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

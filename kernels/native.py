@@ -3,7 +3,7 @@
 Used by worker processes (and the preload daemon) on CPU devices. `load_native` compiles
 csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: 30-60 s on 2 cores, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
-flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, decode_attention,
+flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, gemm_fp8, decode_attention,
 rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process;
 $EMBER_CPU_KERNELS=torch turns the native ops off (the torch references then run everywhere), =native
 makes their absence an error.
@@ -30,7 +30,7 @@ SOURCES = tuple(
 )
 HEADERS = (Path(__file__).with_name("csrc") / "cpu_vec.h",)
 LIBRARY = "ember_cpu_ops"
-REQUIRED_FLAGS = ("avx2", "fma")
+REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 
 
 def cpu_flags() -> set[str]:

@@ -361,27 +361,33 @@ def _cmd(pid: int) -> str:
         return ""
 
 
-def test_packed_bf16_weights_come_from_the_cache(model, tmp_path, monkeypatch):
-    """bf16 on the CPU fast path: the daemon holds the packed layout, an engine maps it and generates
-    what a disk-loaded engine does; an engine on the torch kernels does not take it (layout differs)."""
+@pytest.mark.parametrize("quantization", [None, "fp8_per_tensor"])
+def test_packed_weights_come_from_the_cache(model, tmp_path, monkeypatch, quantization):
+    """bf16 on the CPU fast path: the daemon holds the packed layout (bf16, or fp8 with a packed bf16
+    head), an engine maps it and generates what a disk-loaded engine does; an engine on the torch
+    kernels does not take it (layout differs)."""
     from kernels.native import load_native
 
     if load_native() is not None:
         pytest.skip(f"native CPU ops unavailable: {load_native()}")
     sock = tmp_path / "sockets"
     sock.mkdir(mode=0o700)
-    proc = start_preload(model, sock, "--dtype", "bfloat16")
+    quant = ["--quantization", quantization] if quantization else []
+    proc = start_preload(model, sock, "--dtype", "bfloat16", *quant)
     try:
-        bf16 = dict(dtype="bfloat16", load_format="ipc_cache", socket_dir=str(sock), show_progress=False)
-        with LLM(model, dtype="bfloat16", show_progress=False) as disk:
+        opts = dict(dtype="bfloat16", quantization=quantization, show_progress=False)
+        with LLM(model, **opts) as disk:
             expected = tokens(disk)
-        with LLM(model, **bf16) as cached:
+        cache = dict(opts, load_format="ipc_cache", socket_dir=str(sock))
+        with LLM(model, **cache) as cached:
             assert source(cached) == ("ipc_cache", "")
-            head = cached.engine.executor.worker.runner.model.lm_head
-            assert head.weight.dim() == 3 and head.quant_attrs == {"out_features": 4096}
+            net = cached.engine.executor.worker.runner.model
+            assert net.lm_head.weight.dim() == 3 and net.lm_head.quant_attrs == {"out_features": 4096}
+            down = net.model.layers[0].mlp.down_proj.weight
+            assert down.dim() == 3 and down.dtype == (torch.float8_e4m3fn if quantization else torch.bfloat16)
             assert tokens(cached) == expected
         monkeypatch.setenv("EMBER_CPU_KERNELS", "torch")
-        with LLM(model, **bf16) as plain:
+        with LLM(model, **cache) as plain:
             weight_source, reason = source(plain)
             assert weight_source == "disk" and "quant_config" in reason
     finally:

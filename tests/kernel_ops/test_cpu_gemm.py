@@ -12,11 +12,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_gemm import gemm_bf16, gemm_bf16_torch, pack_bf16, select_linear_kernel, unpack_bf16
+from kernels.cpu_gemm import (
+    gemm_bf16,
+    gemm_bf16_torch,
+    gemm_fp8,
+    gemm_fp8_torch,
+    pack_bf16,
+    pack_fp8,
+    select_linear_kernel,
+    unpack_bf16,
+    unpack_fp8,
+)
 from kernels.kv_write import write_kv_cpu, write_kv_torch
 from kernels.native import use_native
 from workers.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from workers.quant import make_method
+from workers.quant.fp8 import FP8
 from workers.quant.packed import PackedBf16
 
 pytestmark = pytest.mark.model
@@ -48,6 +59,61 @@ def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch
     tol = 1e-5 * k if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), exact, atol=tol, rtol=tol)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (17, 67)])
+def test_fp8_pack_round_trip(n: int, k: int) -> None:
+    w = torch.randn(n, k).mul(50).to(FP8)
+    packed = pack_fp8(w)
+    assert packed.shape == (-(-n // 16), k, 16) and packed.dtype == FP8
+    assert torch.equal(unpack_fp8(packed, n).view(torch.uint8), w.view(torch.uint8))
+    if n >= 16:  # block 0 holds rows 0..15 side by side at each k
+        assert torch.equal(packed[0, 3, 5].view(torch.uint8), w[5, 3].view(torch.uint8))
+
+
+def test_fp8_decodes_every_value_exactly(native_ops) -> None:
+    """All 254 finite e4m3 values, subnormals and both zeros included, times one: exact."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8)
+    values = values[values.float().isfinite()].reshape(-1, 1)
+    for m in (1, 13):  # packed and widened-block paths
+        out = gemm_fp8(torch.ones(m, 1), pack_fp8(values), torch.tensor([1.0]), len(values))
+        assert torch.equal(out, values.float().t().expand(m, -1))
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 101])
+@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen).mul(100).to(FP8)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    packed, scale = pack_fp8(w), torch.tensor([0.0123])
+    out = gemm_fp8(x, packed, scale, n)
+    assert out.shape == (m, n) and out.dtype == dtype
+    exact = (x.double() @ w.double().t()) * 0.0123
+    tol = 1e-5 * k if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), exact, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), gemm_fp8_torch(x, packed, scale, n).float(), atol=tol, rtol=tol)
+
+
+def test_fp8_method_packs_for_the_native_kernel(native_ops) -> None:
+    method = make_method("fp8_per_tensor", "cpu_bf16")
+    plain = make_method("fp8_per_tensor", "torch")
+    assert method.params == {"layout": "cpu_fp8_packed16"} and method.config() != plain.config()
+    assert isinstance(method.head_method(), PackedBf16) and plain.head_method() is None
+    layers = []
+    for m in (method, plain):
+        layer = torch.nn.Module()
+        m.create_weights(layer, 40, 24)
+        layer.weight.data = torch.randn(40, 24, generator=torch.Generator().manual_seed(0)).bfloat16()
+        m.process_weights_after_loading(layer)
+        layers.append(layer)
+    assert layers[0].weight.shape == (3, 24, 16) and layers[0].weight.dtype == FP8
+    assert torch.equal(layers[0].weight_scale, layers[1].weight_scale)
+    x, bias = torch.randn(5, 24).bfloat16(), torch.randn(40).bfloat16()
+    ours, ref = method.apply(layers[0], x, bias), plain.apply(layers[1], x, bias)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), ref.float(), atol=5e-2, rtol=5e-2)
 
 
 def test_gemm_keeps_leading_dims_and_rejects_mismatch(native_ops) -> None:

@@ -3,7 +3,8 @@
 Runs in worker processes (and the config validates names in every process). `resolve_name` maps
 aliases and refuses unknown methods with the list of supported ones; `make_method` builds the
 `QuantMethod` that every linear layer of the model shares (for no quantization, the linear kernel
-chosen by `kernels.cpu_gemm.select_linear_kernel` decides between plain and packed bf16 weights).
+chosen by `kernels.cpu_gemm.select_linear_kernel` decides between plain and packed bf16 weights, and
+a method with a native CPU layout gets `layout=` it under that kernel).
 """
 
 from __future__ import annotations
@@ -45,5 +46,8 @@ def make_method(name: str | None, kernel: str = "torch", **params: Any) -> Any:
         from workers.quant.base import Unquantized
 
         return Unquantized()
-    module, cls = QUANT_METHODS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(**params)
+    module, attr = QUANT_METHODS[name].split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    if kernel == "cpu_bf16" and cls.native_layout is not None:
+        params = {**params, "layout": cls.native_layout}
+    return cls(**params)

@@ -38,6 +38,7 @@ class QuantMethod(ABC):
 
     name: ClassVar[str]
     cacheable: ClassVar[bool] = True  # processed weights may be served from the preload cache
+    native_layout: ClassVar[str | None] = None  # its packed layout for the native CPU matmul, if any
 
     def __init__(self, **params: Any) -> None:
         self.params = params

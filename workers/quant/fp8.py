@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_gemm import gemm_fp8, pack_fp8
 from workers.quant.base import QuantMethod
 
 FP8 = torch.float8_e4m3fn
@@ -33,12 +34,25 @@ def has_fp8_matmul(device: torch.device) -> bool:
 
 class Fp8PerTensor(QuantMethod):
     name = "fp8_per_tensor"
+    native_layout = "cpu_fp8_packed16"
+
+    def head_method(self) -> QuantMethod | None:
+        if self.params.get("layout") != self.native_layout:
+            return None
+        from workers.quant.packed import PackedBf16
+
+        return PackedBf16()  # a bf16 head, packed for the native matmul like the unquantized path's
 
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale")
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, scale = quantize_per_tensor(layer.weight.data)
+        if self.params.get("layout") == self.native_layout:
+            self.replace(layer, "weight", pack_fp8(q))
+            self.replace(layer, "weight_scale", scale)
+            layer.quant_attrs = {"out_features": int(q.shape[0])}
+            return
         transposed = has_fp8_matmul(q.device)
         if transposed:
             q = q.t()  # [in, out] with stride (1, in): the column-major operand _scaled_mm wants
@@ -48,6 +62,9 @@ class Fp8PerTensor(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w, scale = layer.weight, layer.weight_scale
+        if "out_features" in layer.quant_attrs:
+            y = gemm_fp8(x, w, scale, layer.quant_attrs["out_features"])
+            return y if bias is None else y + bias
         if layer.quant_attrs["transposed"] and x.shape[-1] % 16 == 0 and w.shape[1] % 16 == 0:
             x2 = x.reshape(-1, x.shape[-1])
             xq, xs = quantize_per_tensor(x2)
