@@ -16,6 +16,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "cpu_vec.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -114,6 +116,63 @@ void widen_block(const uint8_t* w, int64_t K, float* dst) {
   }
 }
 
+// R rows of x against G consecutive blocks at once, for the few-row products of decode steps and
+// speculative verification: 2RG independent FMA chains (at most 12) keep more weight streams in flight
+// than one block's (~1.4x the bandwidth on the larger matrices here). Each output is still one FMA chain
+// over k in order, as in micro(), so results do not depend on R or G.
+template <int R, int G, int F>
+void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale, float* out, int64_t ldo,
+          int64_t first_col, int64_t n) {
+  static_assert(R * G <= kMaxRows, "twelve accumulators at most");
+  const int64_t stride = K * block_bytes(F);
+  __m256 lo[R][G], hi[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < G; ++j) lo[r][j] = hi[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 xb[R];
+    for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
+    for (int j = 0; j < G; ++j) {
+      __m256 wl, wh;
+      unpack<F>(w + j * stride + k * block_bytes(F), wl, wh);
+      for (int r = 0; r < R; ++r) {
+        lo[r][j] = _mm256_fmadd_ps(wl, xb[r], lo[r][j]);
+        hi[r][j] = _mm256_fmadd_ps(wh, xb[r], hi[r][j]);
+      }
+    }
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  alignas(32) float acc[kBlock];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < G; ++j) {
+      _mm256_store_ps(acc, _mm256_mul_ps(lo[r][j], s));
+      _mm256_store_ps(acc + 8, _mm256_mul_ps(hi[r][j], s));
+      const int64_t col = first_col + j * kBlock;
+      std::copy(acc, acc + std::min<int64_t>(kBlock, n - col), out + r * ldo + col);
+    }
+  }
+}
+
+// R (1..3) rows: groups of G = 4 / 3 / 2 blocks, the last few blocks one at a time.
+template <int R, int F>
+void few_rows(const float* x, int64_t ldx, const uint8_t* wp, int64_t K, int64_t NB, float scale, float* out,
+              int64_t ldo, int64_t n) {
+  constexpr int G = R == 1 ? 4 : R == 2 ? 3 : 2;
+  const int64_t groups = (NB + G - 1) / G;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * G;
+      if (b + G <= NB) {
+        tile<R, G, F>(x, ldx, wp + b * K * block_bytes(F), K, scale, out, ldo, b * kBlock, n);
+        continue;
+      }
+      for (int64_t t = b; t < NB; ++t) {
+        const int nvalid = static_cast<int>(std::min<int64_t>(kBlock, n - t * kBlock));
+        rows<F>(R, x, ldx, wp + t * K * block_bytes(F), K, scale, out + t * kBlock, ldo, nvalid);
+      }
+    }
+  });
+}
+
 // out = x @ W^T * scale for W packed in format F ([NB, K, 16]); x [M, K] as float32.
 template <int F>
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, float scale) {
@@ -122,13 +181,31 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   TORCH_CHECK(packed.is_contiguous(), "gemm: the packed weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && n <= NB * kBlock && n > (NB - 1) * kBlock, "gemm: weight/input mismatch");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, n}, xf.options());
-  const float* xp = xf.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
+  // activations widened here and a float32 result kept here for other dtypes: two ATen conversions
+  // cost ~8 us per call, a fifth of a small decode matmul
+  const at::Tensor xc = x.contiguous();
+  const bool f32 = xc.scalar_type() == at::kFloat;
+  TORCH_CHECK(f32 || xc.scalar_type() == at::kBFloat16 || xc.scalar_type() == at::kHalf,
+              "gemm: activations must be float32, bfloat16 or float16");
+  std::vector<float> xbuf(f32 ? 0 : M * K), obuf(f32 ? 0 : M * n);
+  if (xc.scalar_type() == at::kBFloat16)
+    load_row(xc.const_data_ptr<c10::BFloat16>(), xbuf.data(), M * K);
+  else if (xc.scalar_type() == at::kHalf)
+    load_row(xc.const_data_ptr<c10::Half>(), xbuf.data(), M * K);
+  at::Tensor out = at::empty({M, n}, xc.options());
+  const float* xp = f32 ? xc.const_data_ptr<float>() : xbuf.data();
+  float* op = f32 ? out.mutable_data_ptr<float>() : obuf.data();
   const uint8_t* wp = static_cast<const uint8_t*>(packed.const_data_ptr());
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
+    if (mc <= 3) {
+      const float* x0 = xp + m0 * K;
+      float* o0 = op + m0 * n;
+      if (mc == 1) few_rows<1, F>(x0, K, wp, K, NB, scale, o0, n, n);
+      if (mc == 2) few_rows<2, F>(x0, K, wp, K, NB, scale, o0, n, n);
+      if (mc == 3) few_rows<3, F>(x0, K, wp, K, NB, scale, o0, n, n);
+      continue;
+    }
     const bool widen = mc >= 2 * kMaxRows;  // the block serves several row tiles: widen it once
     at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
       std::vector<float> wide(widen ? K * kBlock : 0);
@@ -148,7 +225,11 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
       }
     });
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  if (xc.scalar_type() == at::kBFloat16)
+    store_row(obuf.data(), out.mutable_data_ptr<c10::BFloat16>(), M * n);
+  else if (xc.scalar_type() == at::kHalf)
+    store_row(obuf.data(), out.mutable_data_ptr<c10::Half>(), M * n);
+  return out;
 }
 
 }  // namespace

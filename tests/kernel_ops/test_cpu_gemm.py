@@ -1,9 +1,11 @@
 """Tests of the CPU fast path's native ops (kernels/cpu_gemm.py, kernels/native.py, kernels/csrc).
 
-The packed layout round-trips exactly; the native bf16 matmul equals its torch reference (float32
-accumulation, so only summation order differs) over shapes that hit every micro-kernel row count, the
-row-chunk boundary and ragged output blocks; the native RMSNorm, rotary and SwiGLU round exactly like
-their torch references in bf16; the native cache write lands in the same slots.
+The packed layouts (bf16, fp8) round-trip exactly; the native bf16 and fp8 matmuls equal their torch
+references (float32 accumulation, so only summation order differs) over shapes that hit every
+micro-kernel row count, the multi-block tiles of 1-3 rows and their tails, the row-chunk boundary and
+ragged output blocks, and give bit-identical rows whatever the batch; fp8 decodes every e4m3 value
+exactly; the native RMSNorm, rotary and SwiGLU round exactly like their torch references in bf16; the
+native cache write lands in the same slots.
 Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, under a minute).
 """
 
@@ -45,7 +47,7 @@ def test_pack_round_trip(n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 50, 101])
-@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256), (40, 5)])
+@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256), (40, 5), (59, 33), (200, 40)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -80,8 +82,8 @@ def test_fp8_decodes_every_value_exactly(native_ops) -> None:
         assert torch.equal(out, values.float().t().expand(m, -1))
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 101])
-@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 13, 101])
+@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256), (200, 40)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -218,11 +220,33 @@ def test_native_write_kv(native_ops) -> None:
         write_kv_cpu(rows[:, 0], rows[:, 1], kv[0], kv[1], torch.tensor([0, 1, 2, 3, 24]))
 
 
-def test_gemm_is_batch_invariant(native_ops) -> None:
-    """Each output is one FMA chain over k whatever the batch: rows alone equal rows in any batch."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_outputs_round_like_torch(native_ops, dtype: torch.dtype) -> None:
+    """bf16 / fp16 activations are widened and the float32 result rounded inside the op: the same
+    values as the float32 op followed by torch's conversion (round to nearest even, NaN and inf kept)."""
+    gen = torch.Generator().manual_seed(5)
+    w = pack_bf16(torch.randn(300, 200, generator=gen).bfloat16())
+    for m in (1, 2, 7, 50):
+        x = torch.randn(m, 200, generator=gen).mul(30).to(dtype)
+        x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
+        out = gemm_bf16(x, w, 300)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, gemm_bf16(x.float(), w, 300).to(dtype), atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_gemm_is_batch_invariant(native_ops, fmt: str) -> None:
+    """Each output is one FMA chain over k whatever the batch: rows alone equal rows in any batch
+    (1-3 rows take the multi-block tiles, 4-11 the one-block micro-kernel, 12+ the widened block)."""
     gen = torch.Generator().manual_seed(3)
-    w = pack_bf16(torch.randn(40, 300, generator=gen).bfloat16())
+    dense = torch.randn(200, 300, generator=gen)  # 13 blocks, the last one ragged
     x = torch.randn(120, 300, generator=gen).bfloat16()
-    full = gemm_bf16(x, w, 40)
-    for rows in (slice(0, 1), slice(5, 7), slice(10, 13), slice(20, 27), slice(30, 100)):
-        assert torch.equal(gemm_bf16(x[rows], w, 40), full[rows]), rows
+    if fmt == "bf16":
+        w = pack_bf16(dense.bfloat16())
+        run = lambda rows: gemm_bf16(x[rows], w, 200)  # noqa: E731
+    else:
+        w, scale = pack_fp8(dense.mul(30).to(FP8)), torch.tensor([0.03])
+        run = lambda rows: gemm_fp8(x[rows], w, scale, 200)  # noqa: E731
+    full = run(slice(0, 120))
+    for rows in (slice(0, 1), slice(5, 7), slice(10, 13), slice(20, 24), slice(30, 37), slice(40, 100)):
+        assert torch.equal(run(rows), full[rows]), rows
