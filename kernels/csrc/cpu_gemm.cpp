@@ -187,23 +187,33 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const bool f32 = xc.scalar_type() == at::kFloat;
   TORCH_CHECK(f32 || xc.scalar_type() == at::kBFloat16 || xc.scalar_type() == at::kHalf,
               "gemm: activations must be float32, bfloat16 or float16");
-  std::vector<float> xbuf(f32 ? 0 : M * K), obuf(f32 ? 0 : M * n);
-  if (xc.scalar_type() == at::kBFloat16)
-    load_row(xc.const_data_ptr<c10::BFloat16>(), xbuf.data(), M * K);
-  else if (xc.scalar_type() == at::kHalf)
-    load_row(xc.const_data_ptr<c10::Half>(), xbuf.data(), M * K);
+  // Rows of x a multiple of 4 KiB apart (K = 1024, 2048, ...) share L1 sets, and the six rows a
+  // micro-kernel broadcasts from then compete with the weights there (0-6% slower here): copies of
+  // more than three rows are padded by one cache line per row.
+  const bool pad = M > 3 && (K * 4) % 4096 == 0;
+  const int64_t ldx = pad ? K + 16 : K;
+  const bool copy = !f32 || pad;
+  std::vector<float> xbuf(copy ? M * ldx : 0), obuf(f32 ? 0 : M * n);
+  for (int64_t m = 0; copy && m < M; ++m) {
+    if (xc.scalar_type() == at::kBFloat16)
+      load_row(xc.const_data_ptr<c10::BFloat16>() + m * K, xbuf.data() + m * ldx, K);
+    else if (xc.scalar_type() == at::kHalf)
+      load_row(xc.const_data_ptr<c10::Half>() + m * K, xbuf.data() + m * ldx, K);
+    else
+      std::copy_n(xc.const_data_ptr<float>() + m * K, K, xbuf.data() + m * ldx);
+  }
   at::Tensor out = at::empty({M, n}, xc.options());
-  const float* xp = f32 ? xc.const_data_ptr<float>() : xbuf.data();
+  const float* xp = copy ? xbuf.data() : xc.const_data_ptr<float>();
   float* op = f32 ? out.mutable_data_ptr<float>() : obuf.data();
   const uint8_t* wp = static_cast<const uint8_t*>(packed.const_data_ptr());
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
     if (mc <= 3) {
-      const float* x0 = xp + m0 * K;
+      const float* x0 = xp + m0 * ldx;
       float* o0 = op + m0 * n;
-      if (mc == 1) few_rows<1, F>(x0, K, wp, K, NB, scale, o0, n, n);
-      if (mc == 2) few_rows<2, F>(x0, K, wp, K, NB, scale, o0, n, n);
-      if (mc == 3) few_rows<3, F>(x0, K, wp, K, NB, scale, o0, n, n);
+      if (mc == 1) few_rows<1, F>(x0, ldx, wp, K, NB, scale, o0, n, n);
+      if (mc == 2) few_rows<2, F>(x0, ldx, wp, K, NB, scale, o0, n, n);
+      if (mc == 3) few_rows<3, F>(x0, ldx, wp, K, NB, scale, o0, n, n);
       continue;
     }
     const bool widen = mc >= 2 * kMaxRows;  // the block serves several row tiles: widen it once
@@ -218,9 +228,9 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
           const int R = static_cast<int>(std::min<int64_t>(kMaxRows, mc - r));
           float* o = op + (m0 + r) * n + b * kBlock;
           if (widen)
-            rows<kF32>(R, xp + (m0 + r) * K, K, wide_bytes, K, scale, o, n, nvalid);
+            rows<kF32>(R, xp + (m0 + r) * ldx, ldx, wide_bytes, K, scale, o, n, nvalid);
           else
-            rows<F>(R, xp + (m0 + r) * K, K, wb, K, scale, o, n, nvalid);
+            rows<F>(R, xp + (m0 + r) * ldx, ldx, wb, K, scale, o, n, nvalid);
         }
       }
     });

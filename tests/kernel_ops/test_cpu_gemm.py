@@ -2,9 +2,9 @@
 
 The packed layouts (bf16, fp8) round-trip exactly; the native bf16 and fp8 matmuls equal their torch
 references (float32 accumulation, so only summation order differs) over shapes that hit every
-micro-kernel row count, the multi-block tiles of 1-3 rows and their tails, the row-chunk boundary and
-ragged output blocks, and give bit-identical rows whatever the batch; fp8 decodes every e4m3 value
-exactly; the native RMSNorm, rotary and SwiGLU round exactly like their torch references in bf16; the
+micro-kernel row count, the multi-block tiles of 1-3 rows and their tails, padded activation rows
+(K = 1024), the row-chunk boundary and ragged output blocks, and give bit-identical rows whatever the
+batch; fp8 decodes every e4m3 value exactly; the native RMSNorm, rotary and SwiGLU round exactly like their torch references in bf16; the
 native cache write lands in the same slots.
 Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, under a minute).
 """
@@ -47,7 +47,7 @@ def test_pack_round_trip(n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 50, 101])
-@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256), (40, 5), (59, 33), (200, 40)])
+@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256), (40, 5), (59, 33), (200, 40), (40, 1024)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
