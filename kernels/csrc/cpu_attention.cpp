@@ -112,6 +112,35 @@ void weighted(const float* p, Rows rows, int64_t D, float* out) {
   }
 }
 
+// out[g, c0 : c0 + 16] = sum_t p[g, t] * v_t for 4 query heads at once (their probabilities ld
+// apart): each value row is loaded and widened once for the four heads instead of once per head. Each
+// output is the same FMA chain over t as in weighted_rows, so results are identical.
+template <typename T, typename Rows>
+__attribute__((noinline)) void weighted_4heads(const float* p, int64_t ld, Rows rows, int64_t c0, int64_t D,
+                                               float* out) {
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
+  rows([&](int64_t t, const T* v) {
+    const __m256 va = load8(v + c0), vb = load8(v + c0 + 8);
+    __m256 pv = _mm256_set1_ps(p[t]);
+    a0 = _mm256_fmadd_ps(pv, va, a0);
+    b0 = _mm256_fmadd_ps(pv, vb, b0);
+    pv = _mm256_set1_ps(p[ld + t]);
+    a1 = _mm256_fmadd_ps(pv, va, a1);
+    b1 = _mm256_fmadd_ps(pv, vb, b1);
+    pv = _mm256_set1_ps(p[2 * ld + t]);
+    a2 = _mm256_fmadd_ps(pv, va, a2);
+    b2 = _mm256_fmadd_ps(pv, vb, b2);
+    pv = _mm256_set1_ps(p[3 * ld + t]);
+    a3 = _mm256_fmadd_ps(pv, va, a3);
+    b3 = _mm256_fmadd_ps(pv, vb, b3);
+  });
+  const __m256 lo[4] = {a0, a1, a2, a3}, hi[4] = {b0, b1, b2, b3};
+  for (int g = 0; g < 4; ++g) {
+    _mm256_storeu_ps(out + g * D + c0, lo[g]);
+    _mm256_storeu_ps(out + g * D + c0 + 8, hi[g]);
+  }
+}
+
 template <typename T, int GB>
 void scores_for(const float* q, int64_t D, const T* k, float* dst, int64_t ld, float scale) {
   switch (D / 8) {
@@ -153,10 +182,12 @@ void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table,
     const float inv = 1.0f / exp_shift_sum(s, L, m);
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    auto rows = [&](auto f) { for_rows(vc, vs, table, start, len, bs, row_bytes, f); };
-    weighted<T>(scores.data() + g * L, rows, D, out + g * D);
-  }
+  auto rows = [&](auto f) { for_rows(vc, vs, table, start, len, bs, row_bytes, f); };
+  int64_t g = 0;
+  if (D % 16 == 0)
+    for (; g + 4 <= G; g += 4)
+      for (int64_t c0 = 0; c0 < D; c0 += 16) weighted_4heads<T>(scores.data() + g * L, L, rows, c0, D, out + g * D);
+  for (; g < G; ++g) weighted<T>(scores.data() + g * L, rows, D, out + g * D);
 }
 
 }  // namespace

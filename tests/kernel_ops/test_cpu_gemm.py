@@ -4,8 +4,9 @@ The packed layouts (bf16, fp8) round-trip exactly; the native bf16 and fp8 matmu
 references (float32 accumulation, so only summation order differs) over shapes that hit every
 micro-kernel row count, the multi-block tiles of 1-3 rows and their tails, padded activation rows
 (K = 1024), the row-chunk boundary and ragged output blocks, and give bit-identical rows whatever the
-batch; fp8 decodes every e4m3 value exactly; the native RMSNorm, rotary and SwiGLU round exactly like their torch references in bf16; the
-native cache write lands in the same slots.
+batch; bf16 / fp16 results are rounded like torch's conversion; fp8 decodes every e4m3 value exactly;
+the native RMSNorm, rotary and SwiGLU round exactly like their torch references in bf16; the native
+cache write lands in the same slots.
 Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, under a minute).
 """
 
@@ -231,7 +232,8 @@ def test_half_outputs_round_like_torch(native_ops, dtype: torch.dtype) -> None:
         x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
         out = gemm_bf16(x, w, 300)
         assert out.dtype == dtype
-        torch.testing.assert_close(out, gemm_bf16(x.float(), w, 300).to(dtype), atol=0, rtol=0, equal_nan=True)
+        ref = gemm_bf16(x.float(), w, 300).to(dtype)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])

@@ -68,7 +68,7 @@ def test_decode_triton_writes_into_out_view(build_case) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1), (12, 2)])  # G = 1, 4, 8, 6 (4 at once + 2)
 def test_decode_cpu_matches_torch(build_case, naive_attention, native_ops, heads, window, dtype) -> None:
     """The native op never reads slots past a sequence (they hold NaN), so its output is finite."""
     case = build_case(ONES, SEQ_LENS, num_heads=heads[0], num_kv_heads=heads[1], block_size=8, dtype=dtype)
