@@ -224,8 +224,11 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
         const int nvalid = static_cast<int>(std::min<int64_t>(kBlock, n - b * kBlock));
         const uint8_t* wb = wp + b * K * block_bytes(F);
         if (widen) widen_block<F>(wb, K, wide.data());
-        for (int64_t r = 0; r < mc; r += kMaxRows) {
-          const int R = static_cast<int>(std::min<int64_t>(kMaxRows, mc - r));
+        // tiles as even as possible (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2): a tile's time per k is
+        // bounded below by the FMA latency, so a 2-row tile costs nearly what a 6-row one does
+        for (int64_t r = 0, R = 0; r < mc; r += R) {
+          const int64_t tiles = (mc - r + kMaxRows - 1) / kMaxRows;
+          R = (mc - r + tiles - 1) / tiles;
           float* o = op + (m0 + r) * n + b * kBlock;
           if (widen)
             rows<kF32>(R, xp + (m0 + r) * ldx, ldx, wide_bytes, K, scale, o, n, nvalid);
