@@ -34,6 +34,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _snapshot_runtime_dirs(tmp_path_factory: pytest.TempPathFactory):
+    """Snapshots made under pytest's (long) temporary paths keep their runtime directory in /tmp, where
+    restores need it; remove those directories when the session ends."""
+    yield
+    import shutil
+
+    from frontend.snapshot import Layout
+
+    for manifest in tmp_path_factory.getbasetemp().glob("**/manifest.json"):
+        base = Layout(manifest.parent).runtime_base
+        if base.parent == Path("/tmp"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
