@@ -17,8 +17,19 @@ from kernels.native import use_native
 BLOCK = 16
 
 
+def _native_pack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and use_native(weight.device)
+
+
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> bf16 [ceil(N/16), K, 16]: per k, lane i of a block holds rows i and i + 8 (low, high)."""
+    """[N, K] -> bf16 [ceil(N/16), K, 16]: per k, lane i of a block holds rows i and i + 8 (low, high).
+    The native op where it runs (the load-time packing of every linear), else `pack_bf16_torch`."""
+    weight = weight.to(torch.bfloat16)
+    return torch.ops.ember.pack_weight(weight) if _native_pack(weight) else pack_bf16_torch(weight)
+
+
+def pack_bf16_torch(weight: torch.Tensor) -> torch.Tensor:
+    """Reference of `pack_bf16`."""
     n, k = weight.shape
     nb = -(-n // BLOCK)
     padded = torch.zeros(nb * BLOCK, k, dtype=torch.bfloat16, device=weight.device)
@@ -34,7 +45,13 @@ def unpack_bf16(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pack_fp8(weight: torch.Tensor) -> torch.Tensor:
-    """float8 [N, K] -> float8 [ceil(N/16), K, 16]: block b holds rows 16b..16b+15 side by side per k."""
+    """float8 [N, K] -> float8 [ceil(N/16), K, 16]: block b holds rows 16b..16b+15 side by side per k
+    (the native op where it runs, else `pack_fp8_torch`)."""
+    return torch.ops.ember.pack_weight(weight) if _native_pack(weight) else pack_fp8_torch(weight)
+
+
+def pack_fp8_torch(weight: torch.Tensor) -> torch.Tensor:
+    """Reference of `pack_fp8`."""
     n, k = weight.shape
     nb = -(-n // BLOCK)
     padded = torch.zeros(nb * BLOCK, k, dtype=torch.uint8, device=weight.device)

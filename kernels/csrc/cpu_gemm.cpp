@@ -261,7 +261,48 @@ at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   return gemm_packed<kFp8>(x, packed, n, *scale.const_data_ptr<float>() * kFp8Unit);
 }
 
+// W [N, K] (2-byte or 1-byte elements, rows contiguous) -> [NB, K, 16] in the layout of pack_bf16 /
+// pack_fp8 in cpu_gemm.py (rows past N are zero): the load-time packing, at memory speed.
+template <typename E, bool Pairs>
+void pack_blocks(const E* w, int64_t N, int64_t K, E* out) {
+  const int64_t NB = (N + kBlock - 1) / kBlock;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      E* dst = out + b * K * kBlock;
+      const E* src[kBlock];  // block row j lands in lane 2 (j % 8) + j / 8 (bf16 pairs) or j
+      int lane[kBlock];
+      int rows = 0;
+      for (int j = 0; j < kBlock && b * kBlock + j < N; ++j, ++rows) {
+        src[j] = w + (b * kBlock + j) * K;
+        lane[j] = Pairs ? 2 * (j % 8) + j / 8 : j;
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        E* d = dst + k * kBlock;
+        if (rows < kBlock) std::fill(d, d + kBlock, E(0));
+        for (int j = 0; j < rows; ++j) d[lane[j]] = src[j][k];
+      }
+    }
+  });
+}
+
+at::Tensor pack_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "pack_weight: a 2-D CPU tensor");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1);
+  at::Tensor out = at::empty({(N + kBlock - 1) / kBlock, K, kBlock}, wc.options());
+  if (wc.scalar_type() == at::kBFloat16) {
+    pack_blocks<uint16_t, true>(static_cast<const uint16_t*>(wc.const_data_ptr()), N, K,
+                                static_cast<uint16_t*>(out.mutable_data_ptr()));
+  } else {
+    TORCH_CHECK(wc.scalar_type() == at::kFloat8_e4m3fn, "pack_weight: bf16 or float8_e4m3fn weights");
+    pack_blocks<uint8_t, false>(static_cast<const uint8_t*>(wc.const_data_ptr()), N, K,
+                                static_cast<uint8_t*>(out.mutable_data_ptr()));
+  }
+  return out;
+}
+
 TORCH_LIBRARY(ember, m) {
+  m.def("pack_weight(Tensor w) -> Tensor", pack_weight);
   m.def("gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor", gemm_bf16);
   m.def("gemm_fp8(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", gemm_fp8);
 }

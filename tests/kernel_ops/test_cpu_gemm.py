@@ -1,7 +1,8 @@
 """Tests of the CPU fast path's native ops (kernels/cpu_gemm.py, kernels/native.py, kernels/csrc).
 
-The packed layouts (bf16, fp8) round-trip exactly; the native bf16 and fp8 matmuls equal their torch
-references (float32 accumulation, so only summation order differs) over shapes that hit every
+The packed layouts (bf16, fp8) round-trip exactly and the native packing equals the torch one; the
+native bf16 and fp8 matmuls equal their torch references (float32 accumulation, so only summation
+order differs) over shapes that hit every
 micro-kernel row count, the multi-block tiles of 1-3 rows and their tails, padded activation rows
 (K = 1024), the row-chunk boundary and ragged output blocks, and give bit-identical rows whatever the
 batch; bf16 / fp16 results are rounded like torch's conversion; fp8 decodes every e4m3 value exactly;
@@ -21,7 +22,9 @@ from kernels.cpu_gemm import (
     gemm_fp8,
     gemm_fp8_torch,
     pack_bf16,
+    pack_bf16_torch,
     pack_fp8,
+    pack_fp8_torch,
     select_linear_kernel,
     unpack_bf16,
     unpack_fp8,
@@ -62,6 +65,15 @@ def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch
     tol = 1e-5 * k if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.double(), exact, atol=tol, rtol=tol)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (16, 64), (17, 67), (100, 33)])
+def test_native_packing_equals_the_reference(native_ops, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n * 100 + k)
+    w = torch.randn(n, k, generator=gen)
+    assert torch.equal(torch.ops.ember.pack_weight(w.bfloat16()), pack_bf16_torch(w.bfloat16()))
+    q = w.mul(50).to(FP8)
+    assert torch.equal(torch.ops.ember.pack_weight(q).view(torch.uint8), pack_fp8_torch(q).view(torch.uint8))
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (17, 67)])
