@@ -1,8 +1,9 @@
 """Decode attention: one query token per request against its paged KV cache.
 
-Called by the attention backends for the decode part of the batch (the first num_decodes rows),
-on the model's device; the Triton kernel also runs on CPU under TRITON_INTERPRET=1 for tests, and
-`decode_attention_cpu` is the native CPU op (built by kernels/native.py).
+The Triton kernel, called by the Triton backend for the decode part of the batch (the first
+num_decodes rows) on CUDA; it also runs on CPU under TRITON_INTERPRET=1 for tests. Its torch
+reference and the native CPU op are in kernels/torch_ops.py (importing Triton costs ~0.4 s of every
+CPU engine's start, so only this backend does).
 q is [B, H, D]; the query of request b sits at position seq_lens[b] - 1 and sees keys
 0 .. seq_lens[b] - 1 (only the last `sliding_window` of them when a window is set). GQA maps
 query head h to kv head h // (H // Hkv). Math is float32; the output has the query dtype.
@@ -11,76 +12,10 @@ query head h to kv head h // (H // Hkv). Math is float32; the output has the que
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-
-
-def decode_attention_torch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference: gather each request's blocks (padded to the longest), mask, and run SDPA."""
-    num_reqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    result = torch.empty_like(q) if out is None else out
-    if num_reqs == 0:
-        return result
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    table = block_tables[:num_reqs, :num_blocks].long()
-    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-    keys = k_cache[table].reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
-    values = v_cache[table].reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
-    pos = torch.arange(keys.shape[2], device=q.device)
-    lens = seq_lens[:num_reqs].long()[:, None]
-    visible = pos[None, :] < lens
-    if sliding_window is not None:
-        visible &= pos[None, :] >= lens - sliding_window
-    # Stale slots may hold anything (even NaN): zero them, since a masked score times NaN is NaN.
-    keys = keys.masked_fill(~visible[:, None, :, None], 0.0)
-    values = values.masked_fill(~visible[:, None, :, None], 0.0)
-    attn = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :],
-        keys,
-        values,
-        attn_mask=visible[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
-    result.copy_(attn[:, :, 0, :])
-    return result
-
-
-def decode_attention_cpu(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The native CPU op (kernels/csrc/cpu_attention.cpp): reads each block in place, no gather.
-    Head sizes that are not a multiple of 8 take the torch reference."""
-    if q.shape[-1] % 8:
-        args = (q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
-        return decode_attention_torch(*args, out=out)
-    result = torch.empty_like(q) if out is None else out
-    window = 0 if sliding_window is None else int(sliding_window)
-    torch.ops.ember.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, result)
-    return result
 
 
 @triton.jit

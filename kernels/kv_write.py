@@ -4,7 +4,8 @@ Runs inside every attention layer before the attention op, on the model's device
 one layer is k_cache / v_cache, each [num_blocks, block_size, num_kv_heads, head_dim] (usually
 views of one [2, ...] tensor, so only per-tensor strides are assumed). Token t goes to slot
 slot_mapping[t] = block_id * block_size + offset; negative slots are padding and are skipped.
-`write_kv_torch` is the reference, `write_kv_triton` the Triton kernel, `write_kv_cpu` the native op.
+This module is `write_kv_triton`, the Triton kernel; the reference `write_kv_torch` and the native
+op `write_kv_cpu` are in kernels/torch_ops.py.
 """
 
 from __future__ import annotations
@@ -12,37 +13,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-def write_kv_torch(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Reference: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (in place)."""
-    num_tokens = key.shape[0]
-    slots = slot_mapping[:num_tokens].long()
-    keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
-    block_size = k_cache.shape[1]
-    blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key.to(k_cache.dtype)
-    v_cache[blocks, offsets] = value.to(v_cache.dtype)
-
-
-def write_kv_cpu(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """The native CPU op (kernels/csrc/cpu_layer_ops.cpp): one copy per row, no index tensors."""
-    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
-    torch.ops.ember.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
 @triton.jit

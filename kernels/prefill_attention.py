@@ -1,7 +1,8 @@
 """Prefill attention: variable-length query chunks against their paged KV cache.
 
-Called by the attention backends for the prefill part of the batch, on the model's device; the
-Triton kernel also runs on CPU under TRITON_INTERPRET=1 for tests. Request b owns query rows
+The Triton kernel, called by the Triton backend for the prefill part of the batch on CUDA; it also
+runs on CPU under TRITON_INTERPRET=1 for tests. Its torch reference (`prefill_attention_torch`) is in
+kernels/torch_ops.py. Request b owns query rows
 query_start_loc[b] : query_start_loc[b + 1] of q [T, H, D]; a chunk may follow cached context, so
 row i sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position (causal, bottom-right
 aligned), limited to the last `sliding_window` positions when a window is set. Math is float32.
@@ -10,58 +11,10 @@ aligned), limited to the last `sliding_window` positions when a window is set. M
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-
-
-def prefill_attention_torch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-    query_start_loc_cpu: list[int],
-    seq_lens_cpu: list[int],
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Reference: per-request loop, gather the request's keys/values, run SDPA with a causal mask."""
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    result = torch.empty_like(q) if out is None else out
-    for b, seq_len in enumerate(seq_lens_cpu):
-        start, end = query_start_loc_cpu[b], query_start_loc_cpu[b + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        context = seq_len - q_len
-        table = block_tables[b, : -(-seq_len // block_size)].long()
-        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        mask = None
-        if context > 0 or sliding_window is not None:
-            q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq_len, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window is not None:
-                mask &= q_pos - k_pos < sliding_window
-        attn = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1).float(),
-            keys.transpose(0, 1).float(),
-            values.transpose(0, 1).float(),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )
-        result[start:end] = attn.transpose(0, 1)
-    return result
 
 
 @triton.jit

@@ -29,8 +29,8 @@ from kernels.cpu_gemm import (
     unpack_bf16,
     unpack_fp8,
 )
-from kernels.kv_write import write_kv_cpu, write_kv_torch
 from kernels.native import use_native
+from kernels.torch_ops import write_kv_cpu, write_kv_torch
 from workers.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from workers.quant import make_method
 from workers.quant.fp8 import FP8

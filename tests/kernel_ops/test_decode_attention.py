@@ -1,4 +1,4 @@
-"""Tests of decode attention (kernels/decode_attention.py).
+"""Tests of decode attention (kernels/decode_attention.py, the references in kernels/torch_ops.py).
 
 Runs on CPU (Triton interpreter) or CUDA. The torch reference is checked against a naive per-token
 softmax loop; the Triton kernel (single pass and split-K) and, on CPU, the native op against the torch
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_cpu, decode_attention_torch, decode_attention_triton
+from kernels.decode_attention import decode_attention_triton
+from kernels.torch_ops import decode_attention_cpu, decode_attention_torch
 
 pytestmark = pytest.mark.model
 

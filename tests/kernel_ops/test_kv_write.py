@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_write import write_kv_torch, write_kv_triton
+from kernels.kv_write import write_kv_triton
+from kernels.torch_ops import write_kv_torch
 
 pytestmark = pytest.mark.model
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.prefill_attention import prefill_attention_torch, prefill_attention_triton
+from kernels.prefill_attention import prefill_attention_triton
+from kernels.torch_ops import prefill_attention_torch
 
 pytestmark = pytest.mark.model
 

@@ -1,0 +1,155 @@
+"""The attention ops' torch references and the native CPU wrappers, without Triton.
+
+Used by the `torch` and `cpu` attention backends (kernels/backend.py) on the model's device, and by
+the tests as the references of the Triton kernels (decode_attention.py, prefill_attention.py,
+kv_write.py, whose docstrings give each op's contract). Kept apart from them because importing
+Triton costs ~0.4 s of every CPU engine's start.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Reference: write key/value [T, Hkv, D] into the caches at slot_mapping [T] (in place)."""
+    num_tokens = key.shape[0]
+    slots = slot_mapping[:num_tokens].long()
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    block_size = k_cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key.to(k_cache.dtype)
+    v_cache[blocks, offsets] = value.to(v_cache.dtype)
+
+
+def write_kv_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """The native CPU op (kernels/csrc/cpu_layer_ops.cpp): one copy per row, no index tensors."""
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    torch.ops.ember.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: gather each request's blocks (padded to the longest), mask, and run SDPA."""
+    num_reqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    result = torch.empty_like(q) if out is None else out
+    if num_reqs == 0:
+        return result
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:num_reqs, :num_blocks].long()
+    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+    keys = k_cache[table].reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    values = v_cache[table].reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    pos = torch.arange(keys.shape[2], device=q.device)
+    lens = seq_lens[:num_reqs].long()[:, None]
+    visible = pos[None, :] < lens
+    if sliding_window is not None:
+        visible &= pos[None, :] >= lens - sliding_window
+    # Stale slots may hold anything (even NaN): zero them, since a masked score times NaN is NaN.
+    keys = keys.masked_fill(~visible[:, None, :, None], 0.0)
+    values = values.masked_fill(~visible[:, None, :, None], 0.0)
+    attn = F.scaled_dot_product_attention(
+        q.float()[:, :, None, :],
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    )
+    result.copy_(attn[:, :, 0, :])
+    return result
+
+
+def decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The native CPU op (kernels/csrc/cpu_attention.cpp): reads each block in place, no gather.
+    Head sizes that are not a multiple of 8 take the torch reference."""
+    if q.shape[-1] % 8:
+        args = (q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+        return decode_attention_torch(*args, out=out)
+    result = torch.empty_like(q) if out is None else out
+    window = 0 if sliding_window is None else int(sliding_window)
+    torch.ops.ember.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, result)
+    return result
+
+
+def prefill_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    query_start_loc_cpu: list[int],
+    seq_lens_cpu: list[int],
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: per-request loop, gather the request's keys/values, run SDPA with a causal mask."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    result = torch.empty_like(q) if out is None else out
+    for b, seq_len in enumerate(seq_lens_cpu):
+        start, end = query_start_loc_cpu[b], query_start_loc_cpu[b + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        context = seq_len - q_len
+        table = block_tables[b, : -(-seq_len // block_size)].long()
+        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        mask = None
+        if context > 0 or sliding_window is not None:
+            q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= q_pos - k_pos < sliding_window
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).float(),
+            keys.transpose(0, 1).float(),
+            values.transpose(0, 1).float(),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
+        result[start:end] = attn.transpose(0, 1)
+    return result
