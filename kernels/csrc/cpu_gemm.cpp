@@ -8,7 +8,10 @@
 // both halves as fp32 with one shift and one mask. fp8: block b stores, for every k, the 16 bytes
 // W[16b + i, k]; they become fp16 bit patterns with one sign extension, one shift and one mask (e4m3's
 // 4 exponent and 3 mantissa bits sit under fp16's, so every value, subnormals included, is exactly
-// 2^-8 times the fp8 value) and then fp32 with F16C. Accumulation is fp32; activations are read as fp32.
+// 2^-8 times the fp8 value) and then fp32 with F16C. Accumulation is fp32; activations are read as fp32:
+// 1-3 rows row-major against several blocks at once (decode: bandwidth-bound), 4 or more rows as
+// panels of up to 6 rows, each k's values together, against one block at a time in passes of 256 k
+// (prefill and batched decode: a GotoBLAS-style blocking of the 6x16 FMA micro-kernel).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +23,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -27,6 +32,7 @@ namespace {
 constexpr int kBlock = 16;   // output rows per packed block
 constexpr int kMaxRows = 6;  // rows of x per micro-kernel call
 constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread walks its weight blocks
+constexpr int64_t kChunkK = 256;   // k steps per pass over a block: its widened slice (16 KiB) stays in L1
 
 // Weight formats of a block: already widened to float32 [K, 16], packed bf16, packed fp8.
 enum Fmt { kF32 = 0, kBf16 = 1, kFp8 = 2 };
@@ -54,54 +60,61 @@ inline void unpack(const uint8_t* w, __m256& lo, __m256& hi) {
   }
 }
 
-// x row r at step k into c<r>a / c<r>b. Named accumulators (not an array) so that GCC keeps all
+// Panel row r at step k into c<r>a / c<r>b. Named accumulators (not an array) so that GCC keeps all
 // twelve in registers.
-#define EMBER_FMA(r)                                            \
-  if constexpr ((r) < R) {                                      \
-    const __m256 xb = _mm256_broadcast_ss(x + (r) * ldx + k);   \
-    c##r##a = _mm256_fmadd_ps(lo, xb, c##r##a);                 \
-    c##r##b = _mm256_fmadd_ps(hi, xb, c##r##b);                 \
+#define EMBER_FMA(r)                                           \
+  if constexpr ((r) < R) {                                     \
+    const __m256 xb = _mm256_broadcast_ss(x + k * R + (r));    \
+    c##r##a = _mm256_fmadd_ps(lo, xb, c##r##a);                \
+    c##r##b = _mm256_fmadd_ps(hi, xb, c##r##b);                \
+  }
+#define EMBER_LOAD(r)                               \
+  if constexpr ((r) < R) {                          \
+    c##r##a = _mm256_loadu_ps(acc + (r) * kBlock);      \
+    c##r##b = _mm256_loadu_ps(acc + (r) * kBlock + 8);  \
+  }
+#define EMBER_STORE(r)                                    \
+  if constexpr ((r) < R) {                                \
+    _mm256_storeu_ps(acc + (r) * kBlock, c##r##a);        \
+    _mm256_storeu_ps(acc + (r) * kBlock + 8, c##r##b);    \
   }
 
-// out[r, 0:nvalid] = sum_k x[r, k] * W[block, k] for R rows of x (R <= 6). Each output is one FMA
-// chain over k in order whatever R, so a row's result does not depend on the rows beside it (batch
-// invariance: speculative verification and batched decode give bit-identical logits). One chain per
-// lane still outruns DRAM here (~20 GB/s of weights per thread); no software prefetch either (it
-// slowed the weight streams ~15% here).
+// acc[r, 0:16] (+)= sum over kn steps of x[r, k] * W[block, k] for an R-row panel x (x[k * R + r], one
+// contiguous stream for the broadcasts; R <= 6), starting from zero when `first`. Each output is one
+// FMA chain over k in order whatever R and however K is cut into passes (the partial sums park in
+// float32), so a row's result does not depend on the rows beside it (batch invariance: speculative
+// verification and batched decode give bit-identical logits).
 // w is the block in format F: packed, or (kF32) already widened, which spares the conversion ops per
-// k when many rows reuse the block. Results are multiplied by `scale` once, at the end.
+// k when many rows reuse the block.
 template <int R, int F>
-void micro(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale, float* out,
-           int64_t ldo, int nvalid) {
+void micro(const float* x, const uint8_t* w, int64_t kn, float* acc, bool first) {
   static_assert(R <= kMaxRows, "twelve accumulators at most");
   __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
   __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
-  for (int64_t k = 0; k < K; ++k) {
+  if (!first) {
+    EMBER_LOAD(0) EMBER_LOAD(1) EMBER_LOAD(2) EMBER_LOAD(3) EMBER_LOAD(4) EMBER_LOAD(5)
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < kn; ++k) {
     __m256 lo, hi;
     unpack<F>(w + k * block_bytes(F), lo, hi);
     EMBER_FMA(0) EMBER_FMA(1) EMBER_FMA(2) EMBER_FMA(3) EMBER_FMA(4) EMBER_FMA(5)
   }
-  alignas(32) float acc[kMaxRows][kBlock];
-  const __m256 all[kMaxRows][2] = {{c0a, c0b}, {c1a, c1b}, {c2a, c2b}, {c3a, c3b}, {c4a, c4b}, {c5a, c5b}};
-  const __m256 s = _mm256_set1_ps(scale);
-  for (int r = 0; r < R; ++r) {
-    _mm256_store_ps(acc[r], _mm256_mul_ps(all[r][0], s));
-    _mm256_store_ps(acc[r] + 8, _mm256_mul_ps(all[r][1], s));
-    std::copy(acc[r], acc[r] + nvalid, out + r * ldo);
-  }
+  EMBER_STORE(0) EMBER_STORE(1) EMBER_STORE(2) EMBER_STORE(3) EMBER_STORE(4) EMBER_STORE(5)
 }
 #undef EMBER_FMA
+#undef EMBER_LOAD
+#undef EMBER_STORE
 
 template <int F>
-void rows(int R, const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale, float* out,
-          int64_t ldo, int nvalid) {
+void rows(int R, const float* x, const uint8_t* w, int64_t kn, float* acc, bool first) {
   switch (R) {
-    case 1: return micro<1, F>(x, ldx, w, K, scale, out, ldo, nvalid);
-    case 2: return micro<2, F>(x, ldx, w, K, scale, out, ldo, nvalid);
-    case 3: return micro<3, F>(x, ldx, w, K, scale, out, ldo, nvalid);
-    case 4: return micro<4, F>(x, ldx, w, K, scale, out, ldo, nvalid);
-    case 5: return micro<5, F>(x, ldx, w, K, scale, out, ldo, nvalid);
-    default: return micro<6, F>(x, ldx, w, K, scale, out, ldo, nvalid);
+    case 1: return micro<1, F>(x, w, kn, acc, first);
+    case 2: return micro<2, F>(x, w, kn, acc, first);
+    case 3: return micro<3, F>(x, w, kn, acc, first);
+    case 4: return micro<4, F>(x, w, kn, acc, first);
+    case 5: return micro<5, F>(x, w, kn, acc, first);
+    default: return micro<6, F>(x, w, kn, acc, first);
   }
 }
 
@@ -165,11 +178,98 @@ void few_rows(const float* x, int64_t ldx, const uint8_t* wp, int64_t K, int64_t
         tile<R, G, F>(x, ldx, wp + b * K * block_bytes(F), K, scale, out, ldo, b * kBlock, n);
         continue;
       }
-      for (int64_t t = b; t < NB; ++t) {
-        const int nvalid = static_cast<int>(std::min<int64_t>(kBlock, n - t * kBlock));
-        rows<F>(R, x, ldx, wp + t * K * block_bytes(F), K, scale, out + t * kBlock, ldo, nvalid);
+      for (int64_t t = b; t < NB; ++t)
+        tile<R, 1, F>(x, ldx, wp + t * K * block_bytes(F), K, scale, out, ldo, t * kBlock, n);
+    }
+  });
+}
+
+// Row tiles of a chunk of mc rows (4..kRowChunk), as even as possible (32 rows: 6 6 5 5 5 5, not
+// 6 6 6 6 6 2): a tile's time per k is bounded below by the FMA latency, so a 2-row tile costs nearly
+// what a 6-row one does. (first row, rows) pairs, rows relative to the chunk.
+std::vector<std::pair<int64_t, int>> row_tiles(int64_t mc) {
+  std::vector<std::pair<int64_t, int>> tiles;
+  for (int64_t r = 0, R = 0; r < mc; r += R) {
+    const int64_t left = (mc - r + kMaxRows - 1) / kMaxRows;
+    R = (mc - r + left - 1) / left;
+    tiles.emplace_back(r, static_cast<int>(R));
+  }
+  return tiles;
+}
+
+// R rows of x (row stride ldx) as a panel pan[k * R + r], in float32.
+template <typename T>
+void pack_panel(const T* x, int64_t ldx, int R, int64_t K, float* pan) {
+  alignas(32) float t[kMaxRows][8];
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (int r = 0; r < R; ++r) _mm256_store_ps(t[r], load8(x + r * ldx + k));
+    for (int i = 0; i < 8; ++i)
+      for (int r = 0; r < R; ++r) pan[(k + i) * R + r] = t[r][i];
+  }
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r) pan[k * R + r] = static_cast<float>(x[r * ldx + k]);
+}
+
+// out[0:mc] = x @ W^T * scale for a chunk of mc >= 4 rows whose tiles are panels at pan + row * K.
+// Threads split the weight blocks; each block is walked in passes of kChunkK steps so that its slice
+// (widened to float32 once per pass when the chunk has 12 rows or more) stays in L1 while every
+// tile's panel slice streams past it; partial sums park in a per-thread float32 buffer.
+template <int F>
+void many_rows(const float* pan, int64_t mc, int64_t K, const uint8_t* wp, int64_t NB, float scale, float* out,
+               int64_t ldo, int64_t n) {
+  const auto tiles = row_tiles(mc);
+  const bool widen = mc >= 2 * kMaxRows;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> wide(widen ? kChunkK * kBlock : 0), acc(mc * kBlock);
+    const uint8_t* wide_bytes = reinterpret_cast<const uint8_t*>(wide.data());
+    const __m256 s = _mm256_set1_ps(scale);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
+        const int64_t kn = std::min(kChunkK, K - k0);
+        const uint8_t* wb = wp + (b * K + k0) * block_bytes(F);
+        if (widen) widen_block<F>(wb, kn, wide.data());
+        for (const auto& [r, R] : tiles) {
+          const float* xt = pan + r * K + k0 * R;
+          if (widen)
+            rows<kF32>(R, xt, wide_bytes, kn, acc.data() + r * kBlock, k0 == 0);
+          else
+            rows<F>(R, xt, wb, kn, acc.data() + r * kBlock, k0 == 0);
+        }
+      }
+      const int64_t nvalid = std::min<int64_t>(kBlock, n - b * kBlock);
+      for (int64_t r = 0; r < mc; ++r) {
+        float* o = out + r * ldo + b * kBlock;
+        const __m256 lo = _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * kBlock), s);
+        const __m256 hi = _mm256_mul_ps(_mm256_loadu_ps(acc.data() + r * kBlock + 8), s);
+        if (nvalid == kBlock) {
+          _mm256_storeu_ps(o, lo);
+          _mm256_storeu_ps(o + 8, hi);
+        } else {
+          alignas(32) float t[kBlock];
+          _mm256_store_ps(t, lo);
+          _mm256_store_ps(t + 8, hi);
+          std::copy(t, t + nvalid, o);
+        }
       }
     }
+  });
+}
+
+// The rows of x as float32: chunks of 1-3 rows stay row-major (few_rows), the rest become panels.
+template <typename T>
+void prepare_rows(const T* x, int64_t M, int64_t K, float* rowbuf, float* pan) {
+  std::vector<std::pair<int64_t, int>> panels;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t mc = std::min(kRowChunk, M - m0);
+    if (mc <= 3) {
+      for (int64_t m = m0; m < m0 + mc && rowbuf != nullptr; ++m) load_row(x + m * K, rowbuf + m * K, K);
+      continue;
+    }
+    for (const auto& [r, R] : row_tiles(mc)) panels.emplace_back(m0 + r, R);
+  }
+  at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) pack_panel(x + panels[t].first * K, K, panels[t].second, K, pan + panels[t].first * K);
   });
 }
 
@@ -184,64 +284,36 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   // activations widened here and a float32 result kept here for other dtypes: two ATen conversions
   // cost ~8 us per call, a fifth of a small decode matmul
   const at::Tensor xc = x.contiguous();
-  const bool f32 = xc.scalar_type() == at::kFloat;
-  TORCH_CHECK(f32 || xc.scalar_type() == at::kBFloat16 || xc.scalar_type() == at::kHalf,
+  const auto dtype = xc.scalar_type();
+  const bool f32 = dtype == at::kFloat;
+  TORCH_CHECK(f32 || dtype == at::kBFloat16 || dtype == at::kHalf,
               "gemm: activations must be float32, bfloat16 or float16");
-  // Rows of x a multiple of 4 KiB apart (K = 1024, 2048, ...) share L1 sets, and the six rows a
-  // micro-kernel broadcasts from then compete with the weights there (0-6% slower here): copies of
-  // more than three rows are padded by one cache line per row.
-  const bool pad = M > 3 && (K * 4) % 4096 == 0;
-  const int64_t ldx = pad ? K + 16 : K;
-  const bool copy = !f32 || pad;
-  std::vector<float> xbuf(copy ? M * ldx : 0), obuf(f32 ? 0 : M * n);
-  for (int64_t m = 0; copy && m < M; ++m) {
-    if (xc.scalar_type() == at::kBFloat16)
-      load_row(xc.const_data_ptr<c10::BFloat16>() + m * K, xbuf.data() + m * ldx, K);
-    else if (xc.scalar_type() == at::kHalf)
-      load_row(xc.const_data_ptr<c10::Half>() + m * K, xbuf.data() + m * ldx, K);
-    else
-      std::copy_n(xc.const_data_ptr<float>() + m * K, K, xbuf.data() + m * ldx);
-  }
+  // uninitialised buffers (every element used is written first)
+  const std::unique_ptr<float[]> rowbuf(f32 ? nullptr : new float[M * K]), pan(M > 3 ? new float[M * K] : nullptr),
+      obuf(f32 ? nullptr : new float[M * n]);
+  if (dtype == at::kBFloat16)
+    prepare_rows(xc.const_data_ptr<c10::BFloat16>(), M, K, rowbuf.get(), pan.get());
+  else if (dtype == at::kHalf)
+    prepare_rows(xc.const_data_ptr<c10::Half>(), M, K, rowbuf.get(), pan.get());
+  else
+    prepare_rows(xc.const_data_ptr<float>(), M, K, rowbuf.get(), pan.get());
   at::Tensor out = at::empty({M, n}, xc.options());
-  const float* xp = copy ? xbuf.data() : xc.const_data_ptr<float>();
-  float* op = f32 ? out.mutable_data_ptr<float>() : obuf.data();
+  const float* xrows = f32 ? xc.const_data_ptr<float>() : rowbuf.get();
+  float* op = f32 ? out.mutable_data_ptr<float>() : obuf.get();
   const uint8_t* wp = static_cast<const uint8_t*>(packed.const_data_ptr());
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
-    if (mc <= 3) {
-      const float* x0 = xp + m0 * ldx;
-      float* o0 = op + m0 * n;
-      if (mc == 1) few_rows<1, F>(x0, ldx, wp, K, NB, scale, o0, n, n);
-      if (mc == 2) few_rows<2, F>(x0, ldx, wp, K, NB, scale, o0, n, n);
-      if (mc == 3) few_rows<3, F>(x0, ldx, wp, K, NB, scale, o0, n, n);
-      continue;
-    }
-    const bool widen = mc >= 2 * kMaxRows;  // the block serves several row tiles: widen it once
-    at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-      std::vector<float> wide(widen ? K * kBlock : 0);
-      const uint8_t* wide_bytes = reinterpret_cast<const uint8_t*>(wide.data());
-      for (int64_t b = b0; b < b1; ++b) {
-        const int nvalid = static_cast<int>(std::min<int64_t>(kBlock, n - b * kBlock));
-        const uint8_t* wb = wp + b * K * block_bytes(F);
-        if (widen) widen_block<F>(wb, K, wide.data());
-        // tiles as even as possible (32 rows: 6 6 5 5 5 5, not 6 6 6 6 6 2): a tile's time per k is
-        // bounded below by the FMA latency, so a 2-row tile costs nearly what a 6-row one does
-        for (int64_t r = 0, R = 0; r < mc; r += R) {
-          const int64_t tiles = (mc - r + kMaxRows - 1) / kMaxRows;
-          R = (mc - r + tiles - 1) / tiles;
-          float* o = op + (m0 + r) * n + b * kBlock;
-          if (widen)
-            rows<kF32>(R, xp + (m0 + r) * ldx, ldx, wide_bytes, K, scale, o, n, nvalid);
-          else
-            rows<F>(R, xp + (m0 + r) * ldx, ldx, wb, K, scale, o, n, nvalid);
-        }
-      }
-    });
+    const float* x0 = xrows + m0 * K;
+    float* o0 = op + m0 * n;
+    if (mc == 1) few_rows<1, F>(x0, K, wp, K, NB, scale, o0, n, n);
+    if (mc == 2) few_rows<2, F>(x0, K, wp, K, NB, scale, o0, n, n);
+    if (mc == 3) few_rows<3, F>(x0, K, wp, K, NB, scale, o0, n, n);
+    if (mc > 3) many_rows<F>(pan.get() + m0 * K, mc, K, wp, NB, scale, o0, n, n);
   }
-  if (xc.scalar_type() == at::kBFloat16)
-    store_row(obuf.data(), out.mutable_data_ptr<c10::BFloat16>(), M * n);
-  else if (xc.scalar_type() == at::kHalf)
-    store_row(obuf.data(), out.mutable_data_ptr<c10::Half>(), M * n);
+  if (dtype == at::kBFloat16)
+    store_row(obuf.get(), out.mutable_data_ptr<c10::BFloat16>(), M * n);
+  else if (dtype == at::kHalf)
+    store_row(obuf.get(), out.mutable_data_ptr<c10::Half>(), M * n);
   return out;
 }
 
