@@ -22,6 +22,7 @@ from pathlib import Path
 
 import zmq
 
+from coreproc import boot
 from coreproc.config import EngineConfig, engine_version
 from coreproc.engine import EngineCore
 from coreproc.executor import MultiprocExecutor, WorkerError
@@ -295,15 +296,17 @@ def run_core_process(
         report.connect(ready_endpoint)
     codec = Codec(())
     try:
-        server = CoreServer(
-            config, listen, runtime_dir, curve_keys, shutdown_timeout, parent_pid, client_timeout
-        )
+        with boot.paused():  # already off when started through coreproc.boot
+            server = CoreServer(
+                config, listen, runtime_dir, curve_keys, shutdown_timeout, parent_pid, client_timeout
+            )
     except Exception as e:
         log.error("engine failed to start: %s", e)
         if report is not None:
             report.send_multipart(codec.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
             report.close()
         return 1
+    boot.settle()
     if report is not None:
         report.send_multipart(codec.encode(CoreReady(address=server.address)))
         report.close()

@@ -1,8 +1,8 @@
 """Starts an `ember-core` process (which starts its workers) and waits for its typed READY.
 
 Runs in the process that needs an engine behind a socket: the HTTP frontend, tests, benchmarks.
-It creates the launch's private runtime directory (0700), starts `python -m coreproc.core_proc` with
-the config as JSON on stdin, and waits for `CoreReady` on a one-shot socket, with a timeout, watching
+It creates the launch's private runtime directory (0700), starts `python -m coreproc.boot core`
+(coreproc.core_proc, collector paused while it starts) with the config as JSON on stdin, and waits for `CoreReady` on a one-shot socket, with a timeout, watching
 the child. `stop()` sends SIGTERM (graceful), then kills what is left and removes the directory.
 """
 
@@ -46,7 +46,7 @@ class CoreProcess:
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.bind(ready_endpoint)
-        cmd = [sys.executable, "-m", "coreproc.core_proc", "--listen", listen]
+        cmd = [sys.executable, "-m", "coreproc.boot", "core", "--listen", listen]
         cmd += ["--runtime-dir", str(self.runtime_dir), "--ready-endpoint", ready_endpoint]
         cmd += ["--shutdown-timeout", str(shutdown_timeout), "--parent-pid", str(os.getpid())]
         cmd += ["--client-timeout", str(client_timeout)]

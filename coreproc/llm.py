@@ -15,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from coreproc import boot
 from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
 from coreproc.outputs import RequestOutput
@@ -36,11 +37,16 @@ class LLM:
         show_progress: bool = True,
         **engine_args: Any,
     ) -> None:
-        """Build from vLLM-style engine arguments, or from a ready `EngineConfig` (`config=`)."""
-        self.config = config if config is not None else EngineConfig.create(model, **engine_args)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.eos_token_ids = eos_token_ids(self.config.model.model, self.tokenizer)
-        self.engine = EngineCore(self.config, show_progress=show_progress)
+        """Build from vLLM-style engine arguments, or from a ready `EngineConfig` (`config=`).
+
+        The garbage collector is paused while the engine is built and the heap frozen afterwards
+        (coreproc.boot): start-up objects live as long as the engine, and full collections skip them.
+        """
+        with boot.paused():
+            self.config = config if config is not None else EngineConfig.create(model, **engine_args)
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self.eos_token_ids = eos_token_ids(self.config.model.model, self.tokenizer)
+            self.engine = EngineCore(self.config, show_progress=show_progress)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._backlog: collections.deque = collections.deque()  # held back by the engine's queue limit

@@ -104,7 +104,7 @@ def _fork_from(path: Path, argv: list[str], config_json: bytes) -> ForkedProcess
 def spawn_worker(
     config: EngineConfig, argv: list[str], config_json: bytes
 ) -> subprocess.Popen | ForkedProcess:
-    """A worker process running `workers.worker_proc` with `argv`."""
+    """A worker process running `workers.worker_proc` with `argv` (through coreproc.boot when fresh)."""
     zygote = _zygote(config)
     if zygote is not None:
         try:
@@ -112,7 +112,7 @@ def spawn_worker(
         except (OSError, ConnectionError, RuntimeError) as e:
             log.warning("the worker zygote at %s failed (%s); starting a fresh process", zygote, e)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.worker_proc", *argv], stdin=subprocess.PIPE, env=worker_env()
+        [sys.executable, "-m", "coreproc.boot", "worker", *argv], stdin=subprocess.PIPE, env=worker_env()
     )
     proc.stdin.write(config_json)
     proc.stdin.close()

@@ -321,3 +321,33 @@ def test_ember_core_cli_serves_and_stops_on_sigterm(llama, prompts):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_boot_pauses_collection_and_freezes_the_heap() -> None:
+    """`boot.paused()` turns the collector off for its block, then freezes what is alive and restores
+    the collector's previous state (on, or off when a boot entry point turned it off first)."""
+    import gc
+
+    from coreproc import boot
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    try:
+        with boot.paused():
+            assert not gc.isenabled()
+            kept = [[i] for i in range(1000)]
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(kept)
+        gc.disable()
+        with boot.paused():
+            pass
+        assert not gc.isenabled()
+        boot.settle()
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_boot_rejects_an_unknown_role() -> None:
+    proc = subprocess.run([sys.executable, "-m", "coreproc.boot", "nope"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "usage: python -m coreproc.boot core|worker" in proc.stderr

@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+from coreproc import boot
 from coreproc.config import EngineConfig
 from coreproc.ipc import Codec
 from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
@@ -86,6 +87,7 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
         cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
         worker = Worker(cfg, tp)
         sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
+        boot.settle()  # started by coreproc.boot with the collector off
         empty = RunnerOutput()
         while True:
             events = dict(poller.poll(PARENT_CHECK_MS))
