@@ -2,8 +2,9 @@
 
 Runs in the process that needs an engine behind a socket: the HTTP frontend, tests, benchmarks.
 It creates the launch's private runtime directory (0700), starts `python -m coreproc.boot core`
-(coreproc.core_proc, collector paused while it starts) with the config as JSON on stdin, and waits for `CoreReady` on a one-shot socket, with a timeout, watching
-the child. `stop()` sends SIGTERM (graceful), then kills what is left and removes the directory.
+(coreproc.core_proc, collector paused while it starts) with the config as JSON on stdin, and waits
+for `CoreReady` on a one-shot socket, with a timeout, watching the child. `stop()` sends SIGTERM
+(graceful), then kills what is left and removes the directory.
 """
 
 from __future__ import annotations

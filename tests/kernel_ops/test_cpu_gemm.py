@@ -51,7 +51,9 @@ def test_pack_round_trip(n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 50, 98, 101])
-@pytest.mark.parametrize(("n", "k"), [(17, 67), (64, 256), (40, 5), (59, 33), (200, 40), (40, 1024), (33, 601)])
+@pytest.mark.parametrize(
+    ("n", "k"), [(17, 67), (64, 256), (40, 5), (59, 33), (200, 40), (40, 1024), (33, 601)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
