@@ -26,9 +26,10 @@ log = logging.getLogger("ember.kernels")
 ENV_VAR = "EMBER_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / f for f in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp")
+    Path(__file__).with_name("csrc") / f
+    for f in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp")
 )
-HEADERS = (Path(__file__).with_name("csrc") / "cpu_vec.h",)
+HEADERS = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_vec.h", "cpu_ops.h"))
 LIBRARY = "ember_cpu_ops"
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 

@@ -18,6 +18,7 @@ from hf_ref import PROMPT_TEXTS, check_outputs_equal, hf_greedy
 from coreproc import LLM, SamplingParams
 from coreproc.config import default_model_dir
 from kernels.native import load_native
+from workers.models import fused_decode
 
 pytestmark = pytest.mark.model
 
@@ -77,6 +78,7 @@ def test_bf16_native_engine_tracks_hf(native_run) -> None:
     assert (kernel, backend) == ("cpu_bf16", "cpu")
     assert model.model.layers[0].mlp.down_proj.weight.dim() == 3, "linear weights must be packed"
     assert model.model.norm.native
+    assert model.fused is not None, "decode steps must take the one-call decoder layers"
     ref32 = [hf_greedy(str(default_model_dir()), p, MAX_NEW) for p in prompts]
     ref16 = [hf_greedy(str(default_model_dir()), p, MAX_NEW, torch.bfloat16) for p in prompts]
     ours = agreed(toks, [r[0] for r in ref32])
@@ -92,6 +94,7 @@ def test_bf16_native_matches_torch_ops(native_run, monkeypatch: pytest.MonkeyPat
     with bf16_engine() as llm:
         worker = llm.engine.executor.worker
         assert (worker.linear_kernel, worker.backend.name) == ("torch", "torch")
+        assert worker.runner.model.fused is None
         ref_toks, ref_lps = run(llm, prompts)
     check_outputs_equal(toks, ref_toks)
     assert_logprobs_close(lps, ref_lps)
@@ -137,3 +140,33 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
     assert sum(err_ours) <= 1.25 * sum(err_theirs), (
         f"mean error native {sum(err_ours) / len(ref):.4f}, torch {sum(err_theirs) / len(ref):.4f}"
     )
+
+
+@pytest.mark.parametrize(
+    ("arch", "kwargs", "fused"),
+    [
+        ("bundled", {}, True),
+        ("mistral", {"sliding_window": 6}, True),  # the window cuts into prompt and output
+        ("qwen3", {}, False),  # q/k norms: the module path
+        ("qwen2", {}, False),  # qkv bias: the module path
+    ],
+)
+def test_fused_decoder_layers_equal_the_module_path(
+    make_ckpt, monkeypatch: pytest.MonkeyPatch, arch: str, kwargs: dict, fused: bool
+) -> None:
+    """Decode steps through torch.ops.ember.decoder_layer give bit-identical tokens and logprobs to the
+    same engine with the one-call layers switched off; models with parts off the native path never
+    take them."""
+    calls = []
+    real_run = fused_decode.run
+    monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[3].shape[0]) or real_run(*a))
+    model_dir = default_model_dir() if arch == "bundled" else make_ckpt(arch, dtype="bfloat16", **kwargs)
+    prompts = [[1, 17, 5, 9, 33, 2, 8], [1, 4], [1, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
+    with LLM(str(model_dir), dtype="bfloat16", enable_prefix_caching=False, show_progress=False) as llm:
+        model = llm.engine.executor.worker.runner.model
+        assert (model.fused is not None) == fused
+        first = run(llm, prompts)
+        assert len(calls) >= MAX_NEW - 1 if fused else not calls  # one per decode step
+        model.fused = None
+        second = run(llm, prompts)
+    assert len(calls) < MAX_NEW + 1 and first == second

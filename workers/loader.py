@@ -126,10 +126,13 @@ def quantize(model: nn.Module) -> float:
 
 def use_native_ops(model: nn.Module, enabled: bool) -> None:
     """Switch the modules that have a fused native CPU op (those with a `native` flag: norms, rotary,
-    the MLP's activation) to it (kernels/native.py) or back to their torch code."""
+    the MLP's activation) to it (kernels/native.py) or back to their torch code, and with them the
+    models' one-call decoder layers for decode steps."""
     for module in model.modules():
         if hasattr(module, "native"):
             module.native = enabled
+    if hasattr(model, "set_fused_decode"):  # after the flags: it checks them
+        model.set_fused_decode(enabled)
 
 
 # What a Llama config.json must spell out for `read_hf_config` to skip transformers, and the values

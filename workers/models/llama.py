@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
+from workers.models import fused_decode
 from workers.models.layers import (
     ColumnLinear,
     LMHead,
@@ -171,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, head_quant)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused: list[fused_decode.FusedLayer] | None = None
 
     def layer_sliding_window(self, cfg: Any, index: int) -> int | None:
         window = getattr(cfg, "sliding_window", None)
@@ -189,9 +191,18 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+        if self.fused is not None and fused_decode.is_pure_decode(meta, x.shape[0]):
+            rotary = self.model.layers[0].self_attn.rotary
+            x = fused_decode.run(self.fused, rotary, positions, x, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x = layer(positions, x, kv_cache, meta)
         return self.model.norm(x)
+
+    def set_fused_decode(self, enabled: bool) -> None:
+        """Run pure-decode batches through one native call per layer where every layer qualifies
+        (workers/models/fused_decode.py); set by workers.loader.use_native_ops."""
+        self.fused = fused_decode.plan(self.model.layers, self.model.embed_tokens.weight.dtype, enabled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -1,0 +1,18 @@
+// The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_attention.cpp and
+// cpu_layer_ops.cpp), for ops that chain them without going back to Python (cpu_decoder.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void rotary_(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+             const at::Tensor& sin, int64_t rotary_dim);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                      const at::Tensor& out);

@@ -1,0 +1,92 @@
+"""One native call per decoder layer for CPU decode steps (torch.ops.ember.decoder_layer).
+
+A decode step of a small model on a CPU spends milliseconds of Python around some 25 torch calls per
+layer. Where every piece of a Llama-style layer already runs on the native CPU ops (packed bf16
+linears without bias, native norms, rotary and activation, the CPU attention backend, one rank, no
+q/k norm), kernels/csrc/cpu_decoder.cpp runs the same ops in the same order in one call, so results
+are bit-identical to the module path. Batches with a prefill (or a speculative verification) keep the
+module path; `plan` decides once per model, after loading, and `run` takes pure-decode batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.backend import CpuBackend
+from kernels.metadata import AttentionMetadata
+from workers.quant.packed import PackedBf16
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """The per-layer arguments of torch.ops.ember.decoder_layer, gathered once."""
+
+    weights: list[torch.Tensor]
+    dims: list[int]
+    scale: float
+    eps: float
+
+
+def layer_plan(layer: nn.Module, dtype: torch.dtype) -> FusedLayer | None:
+    """The fused op's arguments for one DecoderLayer, or None when part of it is not on the native path."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not (mlp.native and attn.rotary.native and all(n.native for n in norms)):
+        return None
+    if any(type(lin.quant) is not PackedBf16 or lin.bias is not None or lin.tp.size != 1 for lin in linears):
+        return None
+    if attn.q_norm is not None or not isinstance(attn.attn.backend, CpuBackend) or attn.head_dim % 8:
+        return None
+    if any(n.weight.dtype != dtype for n in norms) or norms[0].eps != norms[1].eps:
+        return None
+    weights = [
+        norms[0].weight,
+        attn.qkv_proj.weight,
+        attn.o_proj.weight,
+        norms[1].weight,
+        mlp.gate_up_proj.weight,
+        mlp.down_proj.weight,
+    ]
+    outs = [lin.quant_attrs["out_features"] for lin in linears]
+    window = attn.attn.sliding_window or 0
+    dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim, window]
+    return FusedLayer(weights, dims, attn.attn.scale, norms[0].eps)
+
+
+def plan(layers: nn.ModuleList, dtype: torch.dtype, enabled: bool) -> list[FusedLayer] | None:
+    """Every layer's arguments when all of them qualify (and `enabled`), else None."""
+    if not enabled or dtype != torch.bfloat16:
+        return None
+    plans = [layer_plan(layer, dtype) for layer in layers]
+    return None if any(p is None for p in plans) else plans
+
+
+def is_pure_decode(meta: AttentionMetadata, tokens: int) -> bool:
+    """One new token per request and no padding rows."""
+    return meta.num_decode_tokens == meta.num_actual_tokens == tokens
+
+
+def run(
+    plans: list[FusedLayer],
+    rotary: nn.Module,
+    positions: torch.Tensor,
+    x: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """The decoder layers over a pure-decode batch x [T, hidden]; returns the last layer's output."""
+    n = meta.num_decode_tokens
+    table, lens, slots = meta.block_tables[:n], meta.seq_lens[:n], meta.slot_mapping[:n]
+    layer_op = torch.ops.ember.decoder_layer
+    cos, sin = rotary.cos, rotary.sin
+    x = x.contiguous()
+    for p, kv in zip(plans, kv_caches, strict=True):
+        k_cache, v_cache = kv[0], kv[1]
+        x = layer_op(
+            x, positions, p.weights, p.dims, k_cache, v_cache, table, lens, slots, cos, sin, p.scale, p.eps
+        )
+    return x
