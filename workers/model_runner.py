@@ -170,6 +170,7 @@ class ModelRunner:
             output_ids=outs,
             rows=[Row(i, s.params, s.prompt_ids, o, s.eos_ids) for i, (s, o) in enumerate(zip(states, outs))],
             max_num_logprobs=max((s.params.logprobs or 0) for s in states),
+            ranks=any(s.params.logprobs is not None for s in states),
         )
 
     def _collect(

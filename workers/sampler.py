@@ -43,13 +43,14 @@ class SamplingBatch:
     output_ids: list[list[int]]
     rows: list[Row]  # what logits processors see, one per row
     max_num_logprobs: int  # top-N alternatives wanted by the most demanding row (0: none)
+    ranks: bool = True  # whether any row returns logprobs (the sampled token's rank: 0 when not)
 
 
 @dataclass
 class SamplerResult:
     sampled: torch.Tensor  # [N] int64
     sampled_logprob: torch.Tensor  # [N] float32
-    sampled_rank: torch.Tensor  # [N] int64, 1 = most likely
+    sampled_rank: torch.Tensor  # [N] int64, 1 = most likely (0: not computed, no row returns logprobs)
     top_ids: torch.Tensor  # [N, K] int64
     top_logprobs: torch.Tensor  # [N, K] float32
 
@@ -71,7 +72,10 @@ class Sampler:
         logits = self._apply_penalties(logits, batch)
         sampled = self._sample(logits, batch)
         sampled_logprob = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)
-        rank = (raw > sampled_logprob.unsqueeze(1)).sum(dim=1) + 1
+        if batch.ranks:  # a pass over the whole vocabulary: only when someone reads it
+            rank = (raw > sampled_logprob.unsqueeze(1)).sum(dim=1) + 1
+        else:
+            rank = torch.zeros_like(sampled)
         k = batch.max_num_logprobs
         top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (raw[:, :0], sampled.new_empty(len(sampled), 0))
         return SamplerResult(sampled, sampled_logprob, rank, top_ids, top_lp)

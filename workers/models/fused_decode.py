@@ -3,9 +3,12 @@
 A decode step of a small model on a CPU spends milliseconds of Python around some 25 torch calls per
 layer. Where every piece of a Llama-style layer already runs on the native CPU ops (packed bf16
 linears without bias, native norms, rotary and activation, the CPU attention backend, one rank, no
-q/k norm), kernels/csrc/cpu_decoder.cpp runs the same ops in the same order in one call, so results
-are bit-identical to the module path. Batches with a prefill (or a speculative verification) keep the
-module path; `plan` decides once per model, after loading, and `run` takes pure-decode batches.
+q/k norm), kernels/csrc/cpu_decoder.cpp runs the same ops in the same order in one call, so a decode
+batch gets bit-identical results to the module path. Short queries (speculative verification, the
+draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per request) take it too, each
+token as a decode row of its own: its keys are written before attention runs, and it attends to
+positions 0 .. its own (the same logits a plain decode step at that position gives). Longer
+prefills keep the module path. `plan` decides once per model, after loading; `run` takes a batch.
 """
 
 from __future__ import annotations
@@ -65,9 +68,12 @@ def plan(layers: nn.ModuleList, dtype: torch.dtype, enabled: bool) -> list[Fused
     return None if any(p is None for p in plans) else plans
 
 
-def is_pure_decode(meta: AttentionMetadata, tokens: int) -> bool:
-    """One new token per request and no padding rows."""
-    return meta.num_decode_tokens == meta.num_actual_tokens == tokens
+MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
+
+
+def qualifies(meta: AttentionMetadata, tokens: int) -> bool:
+    """No padding rows, and no request with more than MAX_QUERY new tokens."""
+    return meta.num_actual_tokens == tokens and meta.max_query_len <= MAX_QUERY
 
 
 def run(
@@ -78,9 +84,15 @@ def run(
     kv_caches: list[torch.Tensor],
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """The decoder layers over a pure-decode batch x [T, hidden]; returns the last layer's output."""
-    n = meta.num_decode_tokens
-    table, lens, slots = meta.block_tables[:n], meta.seq_lens[:n], meta.slot_mapping[:n]
+    """The decoder layers over a qualifying batch x [T, hidden]; returns the last layer's output."""
+    n = meta.num_actual_tokens
+    if meta.num_decode_tokens == n:
+        table, lens = meta.block_tables[:n], meta.seq_lens[:n]
+    else:  # a decode row per token: its request's block table, the keys up to its own position
+        query_lens = meta.query_start_loc.diff()
+        table = meta.block_tables[: len(query_lens)].repeat_interleave(query_lens, dim=0)
+        lens = positions[:n] + 1
+    slots = meta.slot_mapping[:n]
     layer_op = torch.ops.ember.decoder_layer
     cos, sin = rotary.cos, rotary.sin
     x = x.contiguous()

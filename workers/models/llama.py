@@ -168,9 +168,11 @@ class LlamaForCausalLM(nn.Module):
         ]
         self.model = DecoderModel(cfg, tp, layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        head_quant = None if self.tie_word_embeddings or quant is None else quant.head_method()
+        head_quant = None if quant is None else quant.head_method()
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, head_quant)
         if self.tie_word_embeddings:
+            # loaded once, with the embedding; a head method (the CPU fast path's packing) then makes
+            # the head its own processed copy, since the embedding lookup needs the plain rows
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused: list[fused_decode.FusedLayer] | None = None
 
@@ -191,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        if self.fused is not None and fused_decode.is_pure_decode(meta, x.shape[0]):
+        if self.fused is not None and fused_decode.qualifies(meta, x.shape[0]):
             rotary = self.model.layers[0].self_attn.rotary
             x = fused_decode.run(self.fused, rotary, positions, x, kv_caches, meta)
         else:
@@ -200,8 +202,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def set_fused_decode(self, enabled: bool) -> None:
-        """Run pure-decode batches through one native call per layer where every layer qualifies
-        (workers/models/fused_decode.py); set by workers.loader.use_native_ops."""
+        """Run decode batches (and short queries) through one native call per layer where every layer
+        qualifies (workers/models/fused_decode.py); set by workers.loader.use_native_ops."""
         self.fused = fused_decode.plan(self.model.layers, self.model.embed_tokens.weight.dtype, enabled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
