@@ -143,30 +143,81 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize(
-    ("arch", "kwargs", "fused"),
+    ("arch", "kwargs", "quantization", "fused"),
     [
-        ("bundled", {}, True),
-        ("mistral", {"sliding_window": 6}, True),  # the window cuts into prompt and output
-        ("qwen3", {}, False),  # q/k norms: the module path
-        ("qwen2", {}, False),  # qkv bias: the module path
+        ("bundled", {}, None, True),
+        ("bundled", {}, "fp8_per_tensor", True),  # the native fp8 matmul inside the layer
+        ("mistral", {"sliding_window": 6}, None, True),  # the window cuts into prompt and output
+        ("qwen3", {}, None, False),  # q/k norms: the module path
+        ("qwen2", {}, None, False),  # qkv bias: the module path
+        ("llama", {}, "int8", False),  # no native int8 matmul
     ],
 )
 def test_fused_decoder_layers_equal_the_module_path(
-    make_ckpt, monkeypatch: pytest.MonkeyPatch, arch: str, kwargs: dict, fused: bool
+    make_ckpt,
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    kwargs: dict,
+    quantization: str | None,
+    fused: bool,
 ) -> None:
     """Decode steps through torch.ops.ember.decoder_layer give bit-identical tokens and logprobs to the
-    same engine with the one-call layers switched off; models with parts off the native path never
-    take them."""
+    same engine with the one-call layers switched off (prompts longer than MAX_QUERY, so both prefill
+    on the module path); models with parts off the native path never take them."""
     calls = []
     real_run = fused_decode.run
     monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[3].shape[0]) or real_run(*a))
     model_dir = default_model_dir() if arch == "bundled" else make_ckpt(arch, dtype="bfloat16", **kwargs)
-    prompts = [[1, 17, 5, 9, 33, 2, 8], [1, 4], [1, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]]
-    with LLM(str(model_dir), dtype="bfloat16", enable_prefix_caching=False, show_progress=False) as llm:
+    prompts = [[1, *range(40, 40 + n)] for n in (fused_decode.MAX_QUERY, 23, 31)]
+    args = {"dtype": "bfloat16", "quantization": quantization, "enable_prefix_caching": False}
+    with LLM(str(model_dir), show_progress=False, **args) as llm:
         model = llm.engine.executor.worker.runner.model
         assert (model.fused is not None) == fused
         first = run(llm, prompts)
-        assert len(calls) >= MAX_NEW - 1 if fused else not calls  # one per decode step
+        assert len(calls) == (MAX_NEW - 1 if fused else 0)  # one per decode step
         model.fused = None
         second = run(llm, prompts)
-    assert len(calls) < MAX_NEW + 1 and first == second
+    assert len(calls) == (MAX_NEW - 1 if fused else 0) and first == second
+
+
+def test_speculative_verification_rows_equal_plain_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the one-call layers, a verification step runs each proposed position as a decode row of
+    its own, so n-gram speculation gives exactly the tokens and logprobs of plain decoding."""
+    sizes = []
+    real_run = fused_decode.run
+    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[3].shape[0]) or real_run(*a))
+    loop = [1, *[40, 41, 42, 43, 44, 45] * 4]  # repeats: the n-gram proposer finds matches
+    prompts = [loop, [1, *range(300, 320)], loop[:18]]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    args = {"dtype": "bfloat16", "enable_prefix_caching": False, "show_progress": False}
+    with LLM(str(default_model_dir()), **args) as llm:
+        plain = run(llm, prompts)
+    sizes.clear()
+    with LLM(str(default_model_dir()), speculative_config=spec, **args) as llm:
+        speculative = run(llm, prompts)
+        stats = llm.engine.stats()
+    assert any(n > len(prompts) for n in sizes), "no verification step took the one-call layers"
+    assert stats["spec_num_accepted"] > 0
+    assert speculative == plain
+
+
+def test_short_prompts_prefill_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts of at most MAX_QUERY tokens prefill through the one-call layers (a decode row per token);
+    their first tokens and logprobs match the module path's prefill (SDPA) within bf16 noise."""
+    sizes = []
+    real_run = fused_decode.run
+    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[3].shape[0]) or real_run(*a))
+    prompts = [[1, 17, 5, 9, 33, 2, 8], [1, 4], [1, *range(60, 60 + fused_decode.MAX_QUERY - 1)]]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    args = {"dtype": "bfloat16", "enable_prefix_caching": False, "show_progress": False}
+    with LLM(str(default_model_dir()), **args) as llm:
+        model = llm.engine.executor.worker.runner.model
+        fused = llm.generate(prompts, params, use_tqdm=False)
+        assert sizes == [sum(map(len, prompts))]
+        model.fused = None
+        module = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(fused, module, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        lp_a = next(iter(a.outputs[0].logprobs[0].values())).logprob
+        lp_b = next(iter(b.outputs[0].logprobs[0].values())).logprob
+        assert abs(lp_a - lp_b) <= BF16_LOGPROB_TOL

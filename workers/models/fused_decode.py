@@ -1,8 +1,8 @@
 """One native call per decoder layer for CPU decode steps (torch.ops.ember.decoder_layer).
 
 A decode step of a small model on a CPU spends milliseconds of Python around some 25 torch calls per
-layer. Where every piece of a Llama-style layer already runs on the native CPU ops (packed bf16
-linears without bias, native norms, rotary and activation, the CPU attention backend, one rank, no
+layer. Where every piece of a Llama-style layer already runs on the native CPU ops (packed bf16 or
+fp8 linears without bias, native norms, rotary and activation, the CPU attention backend, one rank, no
 q/k norm), kernels/csrc/cpu_decoder.cpp runs the same ops in the same order in one call, so a decode
 batch gets bit-identical results to the module path. Short queries (speculative verification, the
 draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per request) take it too, each
@@ -20,6 +20,7 @@ from torch import nn
 
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
+from workers.quant.fp8 import Fp8PerTensor
 from workers.quant.packed import PackedBf16
 
 
@@ -28,9 +29,17 @@ class FusedLayer:
     """The per-layer arguments of torch.ops.ember.decoder_layer, gathered once."""
 
     weights: list[torch.Tensor]
+    scales: list[torch.Tensor]  # fp8 linears' scales (an empty tensor for a bf16 one)
     dims: list[int]
     scale: float
     eps: float
+
+
+def native_linear(lin: nn.Module) -> bool:
+    """A linear whose method runs a native packed matmul: packed bf16, or fp8 in the native layout."""
+    if type(lin.quant) is PackedBf16:
+        return True
+    return isinstance(lin.quant, Fp8PerTensor) and "out_features" in getattr(lin, "quant_attrs", {})
 
 
 def layer_plan(layer: nn.Module, dtype: torch.dtype) -> FusedLayer | None:
@@ -40,7 +49,7 @@ def layer_plan(layer: nn.Module, dtype: torch.dtype) -> FusedLayer | None:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not (mlp.native and attn.rotary.native and all(n.native for n in norms)):
         return None
-    if any(type(lin.quant) is not PackedBf16 or lin.bias is not None or lin.tp.size != 1 for lin in linears):
+    if any(not native_linear(lin) or lin.bias is not None or lin.tp.size != 1 for lin in linears):
         return None
     if attn.q_norm is not None or not isinstance(attn.attn.backend, CpuBackend) or attn.head_dim % 8:
         return None
@@ -55,9 +64,11 @@ def layer_plan(layer: nn.Module, dtype: torch.dtype) -> FusedLayer | None:
         mlp.down_proj.weight,
     ]
     outs = [lin.quant_attrs["out_features"] for lin in linears]
+    scales = [getattr(lin, "weight_scale", None) for lin in linears]
+    scales = [torch.empty(0) if s is None else s for s in scales]
     window = attn.attn.sliding_window or 0
     dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim, window]
-    return FusedLayer(weights, dims, attn.attn.scale, norms[0].eps)
+    return FusedLayer(weights, scales, dims, attn.attn.scale, norms[0].eps)
 
 
 def plan(layers: nn.ModuleList, dtype: torch.dtype, enabled: bool) -> list[FusedLayer] | None:
@@ -97,8 +108,6 @@ def run(
     cos, sin = rotary.cos, rotary.sin
     x = x.contiguous()
     for p, kv in zip(plans, kv_caches, strict=True):
-        k_cache, v_cache = kv[0], kv[1]
-        x = layer_op(
-            x, positions, p.weights, p.dims, k_cache, v_cache, table, lens, slots, cos, sin, p.scale, p.eps
-        )
+        args = (kv[0], kv[1], table, lens, slots, cos, sin, p.scale, p.eps)
+        x = layer_op(x, positions, p.weights, p.scales, p.dims, *args)
     return x
