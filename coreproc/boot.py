@@ -5,7 +5,8 @@ full collection meanwhile walks all of them (~0.1 s each here, three during `imp
 So start-up runs with the collector off; once the engine is up, `settle()` freezes everything alive
 (later collections skip those objects, which also keeps serving steps free of long pauses) and turns
 collection back on. `python -m coreproc.boot core|worker ARGS` starts the core or a worker process
-with the collector off from its first import; `paused()` does the same around a block of code.
+with the collector off from its first import; `paused()` does the same around a block of code (the
+in-process `LLM` only pauses: a library user may build and drop several engines in one process).
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ def settle() -> None:
 
 
 @contextmanager
-def paused() -> Iterator[None]:
-    """Run a block with the collector off; afterwards freeze the heap and restore the collector's state."""
+def paused(freeze: bool = True) -> Iterator[None]:
+    """Run a block with the collector off; afterwards (when `freeze`) freeze the heap, and restore the
+    collector's state. Freeze only where what was built lives as long as the process: frozen objects in
+    reference cycles (a module tree has them) are never collected, even once unreachable."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        _freeze()
+        if freeze:
+            _freeze()
         if was_enabled:
             gc.enable()
 

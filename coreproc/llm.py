@@ -39,10 +39,11 @@ class LLM:
     ) -> None:
         """Build from vLLM-style engine arguments, or from a ready `EngineConfig` (`config=`).
 
-        The garbage collector is paused while the engine is built and the heap frozen afterwards
-        (coreproc.boot): start-up objects live as long as the engine, and full collections skip them.
+        The garbage collector is paused while the engine is built (coreproc.boot): full collections
+        would walk torch's objects again and again. The heap is not frozen here, so a dropped engine
+        is still collected.
         """
-        with boot.paused():
+        with boot.paused(freeze=False):
             self.config = config if config is not None else EngineConfig.create(model, **engine_args)
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
             self.eos_token_ids = eos_token_ids(self.config.model.model, self.tokenizer)

@@ -343,6 +343,10 @@ def test_boot_pauses_collection_and_freezes_the_heap() -> None:
         assert not gc.isenabled()
         boot.settle()
         assert gc.isenabled()
+        frozen = gc.get_freeze_count()
+        with boot.paused(freeze=False):
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
         gc.enable()
@@ -351,3 +355,22 @@ def test_boot_pauses_collection_and_freezes_the_heap() -> None:
 def test_boot_rejects_an_unknown_role() -> None:
     proc = subprocess.run([sys.executable, "-m", "coreproc.boot", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2 and "usage: python -m coreproc.boot core|worker" in proc.stderr
+
+
+def test_a_dropped_in_process_engine_is_collected() -> None:
+    """`LLM()` pauses the collector while it builds but freezes nothing: the model (whose module tree has
+    reference cycles) is freed once the engine is closed and dropped."""
+    import gc
+    import weakref
+
+    llm = LLM(show_progress=False)
+    # a module in a cycle: its weight's loader is a bound method of the module
+    embed = llm.engine.executor.worker.runner.model.model.embed_tokens
+    assert embed.weight.weight_loader.__self__ is embed
+    model = weakref.ref(embed)
+    del embed
+    assert gc.isenabled() and model() is not None
+    llm.close()
+    del llm
+    gc.collect()
+    assert model() is None
