@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -269,7 +270,10 @@ void prepare_rows(const T* x, int64_t M, int64_t K, float* rowbuf, float* pan) {
     for (const auto& [r, R] : row_tiles(mc)) panels.emplace_back(m0 + r, R);
   }
   at::parallel_for(0, static_cast<int64_t>(panels.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) pack_panel(x + panels[t].first * K, K, panels[t].second, K, pan + panels[t].first * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto& [row, R] = panels[t];
+      pack_panel(x + row * K, K, R, K, pan + row * K);
+    }
   });
 }
 
@@ -288,6 +292,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
   const bool f32 = dtype == at::kFloat;
   TORCH_CHECK(f32 || dtype == at::kBFloat16 || dtype == at::kHalf,
               "gemm: activations must be float32, bfloat16 or float16");
+  if (K == 0) return at::zeros({M, n}, xc.options());  // the k passes below would not start
   // uninitialised buffers (every element used is written first)
   const std::unique_ptr<float[]> rowbuf(f32 ? nullptr : new float[M * K]), pan(M > 3 ? new float[M * K] : nullptr),
       obuf(f32 ? nullptr : new float[M * n]);

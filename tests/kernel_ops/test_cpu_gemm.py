@@ -141,6 +141,10 @@ def test_gemm_keeps_leading_dims_and_rejects_mismatch(native_ops) -> None:
     torch.testing.assert_close(out.float(), (x.float() @ w.float().t()), atol=1e-2, rtol=1e-2)
     with pytest.raises(RuntimeError, match="mismatch"):
         gemm_bf16(torch.randn(3, 31), pack_bf16(w), 24)
+    for m in (0, 2, 8):  # empty batches and empty rows (k = 0) give empty / zero products
+        empty = torch.ops.ember.gemm_bf16(torch.randn(m, 0), pack_bf16(torch.randn(24, 0).bfloat16()), 24)
+        assert empty.shape == (m, 24) and not empty.any()
+    assert gemm_bf16(torch.randn(0, 32), pack_bf16(w), 24).shape == (0, 24)
 
 
 def test_packed_method_processes_and_applies(native_ops) -> None:
