@@ -5,7 +5,7 @@ full collection meanwhile walks all of them (~0.1 s each here, three during `imp
 So start-up runs with the collector off; once the engine is up, `settle()` freezes everything alive
 (later collections skip those objects, which also keeps serving steps free of long pauses) and turns
 collection back on. `python -m coreproc.boot core|worker ARGS` starts the core or a worker process
-with the collector off from its first import; `paused()` does the same around a block of code (the
+with the collector off from its first import; `paused()` turns it off around a block of code (the
 in-process `LLM` only pauses: a library user may build and drop several engines in one process).
 """
 
@@ -18,32 +18,26 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
-def _freeze() -> None:
+def settle() -> None:
+    """Freeze the start-up heap into the permanent generation and resume collection. Only where what
+    was built lives as long as the process: frozen objects in reference cycles (a module tree has
+    them) are never collected, even once unreachable."""
     gc.freeze()
     # thawed at exit, so that the final collection still finalizes what was frozen (extension types
     # otherwise report their instances as leaked)
     atexit.unregister(gc.unfreeze)
     atexit.register(gc.unfreeze)
-
-
-def settle() -> None:
-    """Freeze the start-up heap into the permanent generation and resume collection."""
-    _freeze()
     gc.enable()
 
 
 @contextmanager
-def paused(freeze: bool = True) -> Iterator[None]:
-    """Run a block with the collector off; afterwards (when `freeze`) freeze the heap, and restore the
-    collector's state. Freeze only where what was built lives as long as the process: frozen objects in
-    reference cycles (a module tree has them) are never collected, even once unreachable."""
+def paused() -> Iterator[None]:
+    """Run a block with the collector off, then restore the collector's state (nothing is frozen)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if freeze:
-            _freeze()
         if was_enabled:
             gc.enable()
 

@@ -43,7 +43,7 @@ class LLM:
         would walk torch's objects again and again. The heap is not frozen here, so a dropped engine
         is still collected.
         """
-        with boot.paused(freeze=False):
+        with boot.paused():
             self.config = config if config is not None else EngineConfig.create(model, **engine_args)
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
             self.eos_token_ids = eos_token_ids(self.config.model.model, self.tokenizer)
