@@ -197,6 +197,7 @@ class BatchRunner:
         self.eos_ids = eos_token_ids(config.model.model, self.tokenizer)
         self.model_name = Path(config.model.model).name
         self.max_model_len, self.vocab_size = config.model.max_model_len, config.model.vocab_size
+        self.limits = config.limits  # the same per-request bounds as the HTTP server's
         self.sink, self.done = sink, done
         self.engine = EngineCore(config, show_progress=show_progress)
         self.processor = OutputProcessor(self.tokenizer)
@@ -237,39 +238,33 @@ class BatchRunner:
 
     def _prompts(self, item: BatchItem) -> tuple[Any, list[Prompt]]:
         if item.kind == "chat":
-            req = oai.parse_chat_request(item.body)
+            req = oai.parse_chat_request(item.body, self.limits)
         else:
-            req = oai.parse_completion_request(item.body)
+            req = oai.parse_completion_request(item.body, self.limits)
         return req, render_prompts(req, self.tokenizer, self.vocab_size)
 
     def submit(self, item: BatchItem) -> None:
         """Queue one request, or write its 400 record at once if it is invalid."""
         try:
-            req, prompts = self._prompts(item)
-            params = [oai.to_sampling_params(req, len(ids), self.max_model_len) for _, ids in prompts]
+            req, prompts_in = self._prompts(item)
+            params = [oai.to_sampling_params(req, len(ids), self.max_model_len) for _, ids in prompts_in]
         except ValueError as e:  # RequestError, InvalidParam, tokenizer errors
             return self._reject(item, e)
         job = Job(item, req, [], int(time.time()))
-        group = (f"job{self._next}", sum(sp.n for sp in params))  # the whole line passes the queue limits
-        try:
-            for (text, ids), sp in zip(prompts, params):
-                rid = f"b{self._next}"
-                self._next += 1
-                self.processor.submit(
-                    self.engine,
-                    rid,
-                    text,
-                    ids,
-                    sp,
-                    eos_token_ids=self.eos_ids,
-                    priority=req.priority,
-                    cache_salt=req.cache_salt,
-                    group=group,
-                )
-                job.rids.append(rid)
+        prompts = []
+        for (text, ids), sp in zip(prompts_in, params):
+            job.rids.append(f"b{self._next}")
+            prompts.append((job.rids[-1], text, ids, sp))
+            self._next += 1
+        try:  # the line's sequences are admitted together or not at all
+            self.processor.submit(
+                self.engine,
+                prompts,
+                eos_token_ids=self.eos_ids,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+            )
         except (ValueError, QueueFull) as e:  # InvalidParam, or the engine's queue limit
-            for rid in job.rids:
-                self.processor.withdraw(self.engine, rid)
             if isinstance(e, QueueFull):
                 self.deferred.append(item)  # submitted again once the queue drains
                 return

@@ -1,10 +1,11 @@
 """The ZeroMQ client SDK: talk to a running `ember-core` directly, without HTTP.
 
 Runs in the user's process. `AsyncEngineClient` (asyncio) and `EngineClient` (blocking, a private
-event loop in a thread) connect a DEALER socket to the core's ROUTER, send `EngineRequest`s and stream
-that request's `EngineOutput`s back (token ids, logprobs, finish reason); leaving a stream early aborts
-the request. A socket monitor notices a lost connection, and an `EngineDead` from the core fails every
-open stream with `EngineDeadError` instead of hanging. CURVE keys are used for non-loopback TCP.
+event loop in a thread) connect a DEALER socket to the core's ROUTER, submit `EngineRequest`s (one, or
+the sequences of one API request together) and stream their `EngineOutput`s back (token ids,
+logprobs, finish reason); leaving a stream early aborts the requests. A socket monitor notices a
+lost connection, and an `EngineDead` from the core fails every open stream with `EngineDeadError`
+instead of hanging. CURVE keys are used for non-loopback TCP.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from coreproc.protocol import (
     EngineRequest,
     OutputBatch,
     SamplingParams,
+    SubmitRequests,
     UtilityCall,
     UtilityResult,
 )
@@ -73,6 +75,38 @@ _FATAL_EVENTS = {
 }
 
 
+class _Stream:
+    """The outputs of one submission not yet read, counted in tokens so a bound can be kept."""
+
+    def __init__(self, max_tokens: int | None) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.max_tokens = max_tokens
+        self.buffered = 0
+        self.overflowed = False
+
+    def put(self, out: EngineOutput) -> bool:
+        """Queue an output; True when the bound is now exceeded."""
+        self.buffered += max(1, len(out.new_token_ids))
+        self.queue.put_nowait(out)
+        return self.max_tokens is not None and self.buffered > self.max_tokens
+
+    def put_nowait(self, item: BaseException) -> None:
+        self.queue.put_nowait(item)
+
+    def fail(self, error: BaseException) -> None:
+        self.overflowed = True
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.buffered = 0
+        self.queue.put_nowait(error)
+
+    async def get(self) -> EngineOutput | BaseException:
+        item = await self.queue.get()
+        if isinstance(item, EngineOutput):
+            self.buffered -= max(1, len(item.new_token_ids))
+        return item
+
+
 class AsyncEngineClient:
     """asyncio client of one engine core. Use `await AsyncEngineClient.connect(address)`."""
 
@@ -91,7 +125,7 @@ class AsyncEngineClient:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | sum(_FATAL_EVENTS))
         self.sock.connect(address)
         self.codec = Codec(TO_CLIENT)
-        self.streams: dict[str, asyncio.Queue] = {}
+        self.streams: dict[str, _Stream] = {}  # by request id (the requests of one submission share one)
         self.calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self.dead: str | None = None
@@ -133,8 +167,8 @@ class AsyncEngineClient:
             if isinstance(msg, OutputBatch):
                 for out in msg.outputs:
                     stream = self.streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put_nowait(out)
+                    if stream is not None and stream.put(out):
+                        await self._overflow(stream)
             elif isinstance(msg, UtilityResult):
                 fut = self.calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
@@ -159,12 +193,25 @@ class AsyncEngineClient:
         if self.dead is not None:
             return
         self.dead = reason
-        for stream in self.streams.values():
+        for stream in {id(s): s for s in self.streams.values()}.values():
             stream.put_nowait(EngineDeadError(reason))
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
         self.calls.clear()
+
+    async def _overflow(self, stream: _Stream) -> None:
+        """A consumer fell too far behind: drop what it has not read, abort its requests."""
+        rids = [rid for rid, s in self.streams.items() if s is stream]
+        for rid in rids:
+            del self.streams[rid]
+        stream.fail(
+            EngineRequestError(
+                f"aborted: the reader fell more than {stream.max_tokens} tokens behind the engine",
+                "slow_consumer",
+            )
+        )
+        await self.sock.send_multipart(self.codec.encode(AbortRequests(rids)))
 
     async def _send(self, msg: object) -> None:
         if self.dead is not None:
@@ -207,55 +254,87 @@ class AsyncEngineClient:
         cache_salt: str | None = None,
         eos_token_ids: list[int] | None = None,
         admitted: asyncio.Future | None = None,
-        group: tuple[str, int] | None = None,
     ) -> AsyncIterator[EngineOutput]:
-        """Submit one request and stream its outputs; the last one has `finished` set.
+        """Submit one request (one sequence: `params.n` must be 1) and stream its outputs; the last one
+        has `finished` set. `admitted`, if given, resolves when the engine accepts the request (or
+        fails with the refusal), before any token."""
+        request = EngineRequest(
+            request_id=request_id or uuid.uuid4().hex,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params or SamplingParams(),
+            eos_token_ids=eos_token_ids or [],
+            arrival_time=time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        async for out in self.generate_many([request], admitted=admitted):
+            yield out
 
-        `admitted`, if given, resolves when the engine accepts the request (or fails with the
-        refusal), before any token: servers use it to answer refusals with a status code. `group`
-        (id, size) makes the sequences of one API request pass the engine's queue limits together."""
-        rid = request_id or uuid.uuid4().hex
-        stream: asyncio.Queue = asyncio.Queue()
-        self.streams[rid] = stream
-        done = False
-        try:
-            await self._send(
-                EngineRequest(
-                    request_id=rid,
-                    prompt_token_ids=list(prompt_token_ids),
-                    sampling_params=params or SamplingParams(),
-                    eos_token_ids=eos_token_ids or [],
-                    arrival_time=time.time(),
-                    priority=priority,
-                    cache_salt=cache_salt,
-                    group=group[0] if group else None,
-                    group_size=group[1] if group else 1,
+    async def generate_many(
+        self,
+        requests: list[EngineRequest],
+        *,
+        admitted: asyncio.Future | None = None,
+        max_buffered_tokens: int | None = None,
+    ) -> AsyncIterator[EngineOutput]:
+        """Submit several requests as one unit (the sequences of one API request: admitted together or
+        refused together) and stream their outputs merged, in arrival order, until all have finished.
+
+        A refusal or a failure of any of them raises `EngineRequestError` (the others are aborted).
+        With `max_buffered_tokens`, a consumer that falls further behind than that many tokens gets
+        `EngineRequestError(code="slow_consumer")` instead of an ever-growing buffer, and the requests
+        are aborted in the engine."""
+        stream = _Stream(max_buffered_tokens)
+        self._check_size(requests)
+        rids = [r.request_id for r in requests]
+        for rid in rids:
+            if rid in self.streams:
+                raise EngineRequestError(
+                    f"request id {rid!r} is already in use", "invalid_request", "request_id"
                 )
-            )
-            while True:
+        for rid in rids:
+            self.streams[rid] = stream
+        open_ids = set(rids)
+        try:
+            await self._send(SubmitRequests(requests))
+            while open_ids:
                 item = await stream.get()
                 if isinstance(item, Exception):
-                    done = True
                     _settle(admitted, item)
                     raise item
                 if item.finish_reason == "error":
-                    done = True
+                    open_ids.discard(item.request_id)
+                    if item.error_code is not None:  # refused: the whole submission was
+                        open_ids.clear()
                     error = EngineRequestError(
                         item.error or "request failed", item.error_code, item.error_param
                     )
                     _settle(admitted, error)
                     raise error
                 _settle(admitted)
-                done = item.finished
-                if not (done or item.new_token_ids or item.new_prompt_logprobs):
+                if item.finished:
+                    open_ids.discard(item.request_id)
+                elif not (item.new_token_ids or item.new_prompt_logprobs):
                     continue  # the admission acknowledgement
                 yield item
-                if done:
-                    return
         finally:
-            self.streams.pop(rid, None)
-            if not done and self.dead is None:
-                self.sock.send_multipart(self.codec.encode(AbortRequests([rid])))
+            for rid in rids:
+                self.streams.pop(rid, None)
+            if open_ids and self.dead is None and not stream.overflowed:
+                self.sock.send_multipart(self.codec.encode(AbortRequests(sorted(open_ids))))
+
+    def _check_size(self, requests: list[EngineRequest]) -> None:
+        """Refuse a submission the core would not take (it disconnects clients that send one)."""
+        limit = (self.info_cache.limits if self.info_cache else {}).get("max_submit_bytes")
+        if not requests or limit is None:
+            return
+        size = len(msgspec.msgpack.encode(requests[0])) * len(requests)  # the sequences differ little
+        if size > limit:
+            raise EngineRequestError(
+                f"the request is too large for the engine: about {size} bytes encoded, limit {limit} "
+                "(--max-submit-bytes)",
+                "invalid_request",
+            )
 
     async def abort(self, request_id: str) -> None:
         await self._send(AbortRequests([request_id]))

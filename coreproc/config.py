@@ -11,9 +11,12 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from coreproc.limits import RequestLimits
 from workers.models import SUPPORTED_ARCHITECTURES
 from workers.quant import resolve_name as resolve_quantization
 
@@ -372,6 +375,7 @@ class EngineConfig:
     # processors beyond the built-ins: installed entry points (found by `create`), then module:Class flags
     logits_processors: tuple[str, ...] = ()
     speculative: SpeculativeConfig | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
 
     @classmethod
     def create(
@@ -410,6 +414,7 @@ class EngineConfig:
         speculative_config: str | dict | None = None,
         weights_file: str | None = None,
         worker_zygote: bool = True,
+        request_limits: RequestLimits | Mapping[str, Any] | None = None,
     ) -> EngineConfig:
         """Build and validate the whole tree from flat, CLI-shaped arguments."""
         device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
@@ -440,6 +445,10 @@ class EngineConfig:
             async_scheduling = False
         if speculative is not None and speculative.method == "draft_model":
             speculative = _with_draft(speculative, model_cfg, tensor_parallel_size, seed, device_cfg)
+        try:
+            limits = RequestLimits.of(request_limits).resolve(max_num_seqs, model_cfg.vocab_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if long_prefill_token_threshold is None:  # default: 4% of the context, at least one block
             long_prefill_token_threshold = max(block_size, model_cfg.max_model_len // 25)
         return cls(
@@ -472,6 +481,7 @@ class EngineConfig:
             load=LoadConfig(load_format, socket_dir, preload_wait_timeout, weights_file, worker_zygote),
             logits_processors=tuple(logits_processors),
             speculative=speculative,
+            limits=limits,
         )
 
     @property

@@ -1,17 +1,18 @@
 """The scheduler process (`ember-core`): serves clients over ZeroMQ and drives the workers.
 
 Clients (the SDK, the HTTP frontend) connect DEALER sockets to this process's ROUTER and send
-`EngineRequest` / `AbortRequests` / `UtilityCall`; each gets `OutputBatch`es for its own requests
-(the first output of an admitted request is an empty acknowledgement; a refused request gets one
-finished output with an `error_code`), `UtilityResult`s, and `EngineDead` if the engine fails.
-Each loop turn: drain client messages (block only when idle), run one overlapped engine step, route
-outputs. A dead worker fails every request at
-once and ends the process non-zero; SIGTERM/SIGINT stop admission, let running requests finish within
-a grace period, abort the rest, and exit 0.
+`SubmitRequests` / `AbortRequests` / `UtilityCall`; each gets `OutputBatch`es for its own requests
+(the first output of an admitted request is an empty acknowledgement; the requests of a refused
+submission each get one finished output with an `error_code`), `UtilityResult`s, and `EngineDead`
+if the engine fails. Each loop turn: drain client messages (block only when idle), run one overlapped
+engine step, route outputs. A dead worker fails every request at once and ends the process non-zero;
+SIGTERM/SIGINT stop admission, let running requests finish within a grace period, abort the rest,
+and exit 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -38,6 +39,7 @@ from coreproc.protocol import (
     InvalidParam,
     OutputBatch,
     QueueFull,
+    SubmitRequests,
     UtilityCall,
     UtilityResult,
 )
@@ -90,6 +92,7 @@ class CoreServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, config.limits.max_submit_bytes + 2**20)  # + framing slack
         if self.curve is not None:
             self.curve.apply(self.sock)
         self.sock.bind(listen)
@@ -115,6 +118,7 @@ class CoreServer:
             load_seconds=self.engine.executor.ready[0].load_seconds,
             quantize_seconds=self.engine.executor.ready[0].quantize_seconds,
             weight_source=self.engine.executor.ready[0].weight_source,
+            limits=dataclasses.asdict(cfg.limits),
         )
 
     # ------------------------------------------------------------------ client messages
@@ -140,8 +144,8 @@ class CoreServer:
 
     def _handle(self, identity: bytes, msg: object) -> None:
         self.last_seen[identity] = time.monotonic()
-        if isinstance(msg, EngineRequest):
-            self._add(identity, msg)
+        if isinstance(msg, SubmitRequests):
+            self._add(identity, msg.requests)
         elif isinstance(msg, AbortRequests):
             mine = [r for r in msg.request_ids if self.owner.get(r) == identity]
             self._route(self.engine.abort_requests(mine))
@@ -164,27 +168,35 @@ class CoreServer:
         for c in silent:
             del self.last_seen[c]
 
-    def _add(self, identity: bytes, req: EngineRequest) -> None:
+    def _add(self, identity: bytes, reqs: list[EngineRequest]) -> None:
+        """Admit the requests of one submission together, or refuse them all with one reason."""
+
         def reject(reason: str, code: str, param: str | None = None) -> None:
-            out = EngineOutput(
-                req.request_id, finish_reason="error", error=reason, error_code=code, error_param=param
-            )
-            self._send(identity, OutputBatch([out]))
+            outs = [
+                EngineOutput(
+                    r.request_id, finish_reason="error", error=reason, error_code=code, error_param=param
+                )
+                for r in reqs
+            ]
+            self._send(identity, OutputBatch(outs))
 
         if self.stopping_since is not None:
             return reject("the engine is shutting down", "unavailable")
-        if req.request_id in self.owner:
-            return reject(f"request id {req.request_id!r} is already in use", "invalid_request")
-        if not req.eos_token_ids:
-            req.eos_token_ids = self.eos_ids
+        taken = next((r.request_id for r in reqs if r.request_id in self.owner), None)
+        if taken is not None:
+            return reject(f"request id {taken!r} is already in use", "invalid_request", "request_id")
+        for req in reqs:
+            if not req.eos_token_ids:
+                req.eos_token_ids = self.eos_ids
         try:
-            self.engine.add_request(req)
+            self.engine.add_requests(reqs)
         except InvalidParam as e:
             return reject(str(e), "invalid_request", e.param)
         except QueueFull as e:
             return reject(str(e), "overloaded")
-        self.owner[req.request_id] = identity
-        self._admitted.append(EngineOutput(req.request_id))
+        for req in reqs:
+            self.owner[req.request_id] = identity
+            self._admitted.append(EngineOutput(req.request_id))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         try:

@@ -54,8 +54,12 @@ class EngineCore:
         self._stall_reported = False
 
     def add_request(self, request: EngineRequest) -> None:
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[EngineRequest]) -> None:
+        """Add the sequences of one API request, all or none (InvalidParam, QueueFull)."""
         idle = not self.has_unfinished_requests()
-        self.scheduler.add_request(request)
+        self.scheduler.add_requests(requests)
         if idle:  # the stall clock starts when work arrives, not at the last step of an idle engine
             self.last_step_end = time.monotonic()
 

@@ -127,7 +127,7 @@ class LLM:
             rid, text, ids, params, prio = self._backlog[0]
             try:
                 self.processor.submit(
-                    self.engine, rid, text, ids, params, eos_token_ids=self.eos_token_ids, priority=prio
+                    self.engine, [(rid, text, ids, params)], eos_token_ids=self.eos_token_ids, priority=prio
                 )
             except QueueFull:
                 return

@@ -3,7 +3,7 @@
 Shared by the frontend, the scheduler process (coreproc) and the workers. In-process engines pass these
 objects directly; multiprocess engines encode them with msgspec (msgpack), never pickle. Per-step
 messages are `array_like`, `omit_defaults` and `gc=False` so encoding stays cheap on the hot path.
-Directions: frontend -> core (`EngineRequest`, `AbortRequests`, `UtilityCall`), core -> frontend
+Directions: frontend -> core (`SubmitRequests`, `AbortRequests`, `UtilityCall`), core -> frontend
 (`OutputBatch`, `UtilityResult`, `EngineDead`), core -> workers (`SchedulerOutput`, `Shutdown`),
 workers -> core (`WorkerReady`, `RunnerOutput`, `WorkerFailed`). On a socket every message is two
 frames: a one-byte kind (`KIND_OF`) and the msgpack body; each socket decodes only its direction.
@@ -132,9 +132,13 @@ class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     cache_salt: str | None = None
     lora: LoRARef | None = None
     mm_refs: list[MultiModalRef] = []
-    # sequences of one API request (n > 1, several prompts) pass the queue limits as one unit
-    group: str | None = None
-    group_size: int = 1
+
+
+class SubmitRequests(msgspec.Struct, array_like=True, gc=False):
+    """The sequences of one API request (its prompts x n): admitted together or refused together, so
+    a request is never half-admitted. The SDK's single requests travel as a unit of one."""
+
+    requests: list[EngineRequest]
 
 
 # ----------------------------------------------------------------------------- core -> workers
@@ -284,6 +288,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     load_seconds: float = 0.0
     quantize_seconds: float = 0.0
     weight_source: str = "disk"
+    limits: dict[str, int] = {}  # the core's `RequestLimits`, resolved (see coreproc/limits.py)
 
 
 class CoreReady(msgspec.Struct, kw_only=True):
@@ -399,7 +404,7 @@ class SpawnReply(msgspec.Struct, kw_only=True):
 
 # one-byte kind frame -> message type; the high nibble says the direction
 KIND_OF: dict[type, bytes] = {
-    EngineRequest: b"\x01",
+    SubmitRequests: b"\x01",
     AbortRequests: b"\x02",
     UtilityCall: b"\x03",
     OutputBatch: b"\x11",
@@ -419,7 +424,7 @@ KIND_OF: dict[type, bytes] = {
 }
 TYPE_OF: dict[bytes, type] = {kind: t for t, kind in KIND_OF.items()}
 
-TO_CORE = (EngineRequest, AbortRequests, UtilityCall)
+TO_CORE = (SubmitRequests, AbortRequests, UtilityCall)
 TO_CLIENT = (OutputBatch, UtilityResult, EngineDead)
 TO_WORKER = (StepRequest, Shutdown)
 FROM_WORKER = (WorkerReady, StepResult, WorkerFailed)

@@ -45,6 +45,7 @@ class Scheduler:
         self.token_budget = sc.max_num_batched_tokens
         self.long_prefill = sc.long_prefill_token_threshold
         self.policy = sc.policy
+        self.limits = config.limits
         self.kv = KVCacheManager(
             num_kv_blocks,
             config.cache.block_size,
@@ -71,7 +72,32 @@ class Scheduler:
     # ------------------------------------------------------------------ intake
 
     def add_request(self, er: EngineRequest) -> None:
-        """Validate and queue a request; raises InvalidParam for requests that can never run."""
+        """Validate and queue one request (see `add_requests`)."""
+        self.add_requests([er])
+
+    def add_requests(self, ers: list[EngineRequest]) -> None:
+        """Validate and queue the sequences of one API request, all or none: raises InvalidParam for
+        requests that can never run, QueueFull when the queue limits refuse them now."""
+        if not ers:
+            raise InvalidParam("a submission needs at least one request", "prompt")
+        most = self.limits.max_seqs_per_request
+        if most is not None and len(ers) > most:
+            raise InvalidParam(
+                f"the request has {len(ers)} sequences; this engine takes at most {most} in one request", "n"
+            )
+        if len({er.request_id for er in ers}) < len(ers):
+            raise InvalidParam("request ids must differ within one submission", "request_id")
+        for er in ers:
+            self._validate(er)
+        sc = self.config.scheduler
+        self.waiting.admit(ers, sc.max_num_queued_requests, sc.max_num_queued_tokens)
+        for er in ers:
+            req = Request(er, self._arrivals)
+            self._arrivals += 1
+            self.requests[req.request_id] = req
+            self.waiting.add(req)
+
+    def _validate(self, er: EngineRequest) -> None:
         if er.request_id in self.requests:
             raise InvalidParam(f"request id {er.request_id!r} is already in use", "request_id")
         n = len(er.prompt_token_ids)
@@ -83,19 +109,21 @@ class Scheduler:
             )
         if any(t < 0 or t >= self.vocab_size for t in er.prompt_token_ids):
             raise InvalidParam(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        er.sampling_params.validate()
-        validate_request(self.processors, er.sampling_params)
+        params = er.sampling_params
+        if params.n != 1:
+            raise InvalidParam(
+                "the engine runs one sequence per request: submit n > 1 as n requests with n = 1 "
+                "(the SDK's generate_many, or the OpenAI API's n)",
+                "n",
+            )
+        params.validate()
+        self.limits.check_sampling(params)
+        validate_request(self.processors, params)
         if er.lora is not None:
             name = er.lora.name
             raise InvalidParam(f"LoRA adapter {name!r}: no adapters are loaded in this engine", "lora")
         if er.mm_refs:
             raise InvalidParam("this engine's model takes no multimodal input", "messages")
-        sc = self.config.scheduler
-        self.waiting.admit(er, sc.max_num_queued_requests, sc.max_num_queued_tokens)
-        req = Request(er, self._arrivals)
-        self._arrivals += 1
-        self.requests[req.request_id] = req
-        self.waiting.add(req)
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort at once: blocks freed, workers told to forget; unknown ids are ignored."""

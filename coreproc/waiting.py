@@ -4,20 +4,16 @@ Runs in the scheduler process. Requests that are not running wait here, ordered 
 arrival, priority by (priority, arrival time, arrival). A preempted request keeps its arrival order,
 so in FCFS it is served before every request that never ran. New work beyond
 `max_num_queued_requests` / `max_num_queued_tokens` raises `QueueFull`; an empty queue always takes
-one, and the sequences of one API request (`EngineRequest.group`, `group_size`) are admitted or
-refused together, at their first member.
+one request, and the sequences of one API request (`SubmitRequests`) are admitted or refused
+together.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 
 from coreproc.protocol import EngineRequest, InvalidParam, QueueFull
 from coreproc.request import Request
-
-MAX_OPEN_GROUPS = 4096
-MAX_GROUP_SIZE = 1024
 
 
 class WaitingQueue:
@@ -27,7 +23,6 @@ class WaitingQueue:
         self.policy = policy
         self._items: list[tuple[tuple, Request]] = []
         self.num_tokens = 0  # of the queued requests (their tokens do not change while they wait)
-        self._groups: OrderedDict[str, int] = OrderedDict()  # admitted groups -> members still to come
 
     def _key(self, req: Request) -> tuple:
         if self.policy == "priority":
@@ -56,25 +51,23 @@ class WaitingQueue:
     def __iter__(self):
         return (req for _, req in self._items)
 
-    def admit(self, er: EngineRequest, max_requests: int | None, max_tokens: int | None) -> None:
-        """Raise QueueFull if `er` may not join the queue now (checked once per group)."""
-        if er.group is not None and er.group in self._groups:
-            self._groups[er.group] -= 1
-            if self._groups[er.group] <= 0:
-                del self._groups[er.group]
+    def admit(self, ers: list[EngineRequest], max_requests: int | None, max_tokens: int | None) -> None:
+        """Raise QueueFull if the sequences of one request may not join the queue now (they are
+        admitted together or not at all), InvalidParam if they never could."""
+        size = len(ers)
+        if max_requests is not None and size > max_requests:
+            raise InvalidParam(
+                f"the request has {size} sequences but this engine queues at most {max_requests} "
+                "(--max-num-queued-requests), so it can never be admitted",
+                "n",
+            )
+        if not self._items:  # an empty queue always takes one request, however long its prompts
             return
-        size = er.group_size
-        if not 1 <= size <= MAX_GROUP_SIZE:
-            raise InvalidParam(f"group_size must be in [1, {MAX_GROUP_SIZE}]", "group_size")
-        if self._items:
-            if max_requests is not None and len(self) + size > max_requests:
-                raise QueueFull(f"the engine's queue is full ({len(self)} requests waiting); retry later")
-            if max_tokens is not None and self.num_tokens + len(er.prompt_token_ids) * size > max_tokens:
-                raise QueueFull(
-                    f"the engine's queue is full ({self.num_tokens} prompt tokens waiting, "
-                    f"limit {max_tokens}); retry later"
-                )
-        if er.group is not None and size > 1:
-            self._groups[er.group] = size - 1
-            while len(self._groups) > MAX_OPEN_GROUPS:  # members that never came (a failed submit)
-                self._groups.popitem(last=False)
+        if max_requests is not None and len(self) + size > max_requests:
+            raise QueueFull(f"the engine's queue is full ({len(self)} requests waiting); retry later")
+        tokens = sum(len(er.prompt_token_ids) for er in ers)
+        if max_tokens is not None and self.num_tokens + tokens > max_tokens:
+            raise QueueFull(
+                f"the engine's queue is full ({self.num_tokens} prompt tokens waiting, "
+                f"limit {max_tokens}); retry later"
+            )

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coreproc.client import AsyncEngineClient, EngineDeadError
 from coreproc.config import engine_version
+from coreproc.limits import RequestLimits
 from frontend.metrics import EngineMetrics
 from frontend.openai_protocol import (
     ChatCompletionRequest,
@@ -60,6 +61,8 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     max_request_bytes: int = 16 * 2**20
     chat_template: str | None = None  # a file path or the template itself
+    max_stream_buffer_tokens: int = 16384  # a stream's unread tokens before it is aborted
+    stream_send_timeout: float = 60.0  # seconds a streaming client may take to accept one chunk
 
 
 class BodyLimit:
@@ -148,6 +151,9 @@ class Api:
             model_name=self.model_name,
             metrics=EngineMetrics(self.model_name),
             chat_template=template,
+            limits=RequestLimits.of(client.info_cache.limits or None),
+            max_stream_buffer_tokens=self.cfg.max_stream_buffer_tokens,
+            stream_send_timeout=self.cfg.stream_send_timeout,
         )
         poller = asyncio.create_task(self._poll_engine())
         try:
@@ -197,7 +203,8 @@ class Api:
     async def _generate(self, request: Request, chat: bool) -> Response:
         try:
             body = await request.body()
-            req = parse_chat_request(body) if chat else parse_completion_request(body)
+            limits = self.ctx.limits if self.ctx is not None else None
+            req = parse_chat_request(body, limits) if chat else parse_completion_request(body, limits)
             self._check_model(req.model)
             self._available()
             ctx = self.ctx

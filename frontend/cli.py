@@ -12,6 +12,8 @@ import logging
 import sys
 from collections.abc import Callable
 
+from coreproc.limits import RequestLimits
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine (names as in vLLM)."""
@@ -96,6 +98,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--device", default="auto")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton"])
+    RequestLimits.add_arguments(p)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -134,6 +137,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         speculative_config=args.speculative_config,
         weights_file=args.weights_file,
         worker_zygote=args.worker_zygote,
+        request_limits=RequestLimits.from_args(args),
     )
 
 

@@ -1,8 +1,9 @@
 """OpenAI request schema: `/v1/completions` and `/v1/chat/completions` bodies, and Ember's extras.
 
 Runs in the frontend (the HTTP server and batch mode). Receives request bodies (JSON bytes or dicts),
-validates them into frozen msgspec Structs (`RequestError` names the bad field) and maps them to the
-engine's `SamplingParams`. Responses are built in `openai_responses.py`. Defaults follow vLLM:
+validates them into frozen msgspec Structs (`RequestError` names the bad field), checks them against
+the server's `RequestLimits` before anything is tokenized, and maps them to the engine's
+`SamplingParams`. Responses are built in `openai_responses.py`. Defaults follow vLLM:
 completions `max_tokens` 16, chat `max_tokens` None (up to the context), temperature 1.0, n 1.
 """
 
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from coreproc.limits import RequestLimits
 from coreproc.protocol import InvalidParam, SamplingParams
 
 MAX_LOGPROBS = 20
@@ -98,6 +100,7 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None  # accepted only as n (vLLM's v1 engine dropped it; Ember never had it)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's extension)
 
 
@@ -153,21 +156,66 @@ def parse_body(body: bytes | str | dict, typ: type) -> Any:
         raise RequestError(f"{param}: {message}" if param else message, param) from None
     except msgspec.DecodeError as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("the request body nests too deeply to be a valid request") from None
 
 
-def parse_completion_request(body: bytes | str | dict) -> CompletionRequest:
-    """Validate a `/v1/completions` body; RequestError names the first bad field."""
+def parse_completion_request(
+    body: bytes | str | dict, limits: RequestLimits | None = None
+) -> CompletionRequest:
+    """Validate a `/v1/completions` body within `limits`; RequestError names the first bad field."""
     req = parse_body(body, CompletionRequest)
-    prompt_inputs(req)  # shape check
+    limits = limits or RequestLimits()
+    num_prompts = len(prompt_inputs(req))  # also the shape check
+    if req.best_of is not None and req.best_of != req.n:
+        raise RequestError("best_of is not supported (only best_of equal to n)", "best_of")
+    _check(limits, req, num_prompts)
     return req
 
 
-def parse_chat_request(body: bytes | str | dict) -> ChatCompletionRequest:
-    """Validate a `/v1/chat/completions` body; RequestError names the first bad field."""
+def parse_chat_request(
+    body: bytes | str | dict, limits: RequestLimits | None = None
+) -> ChatCompletionRequest:
+    """Validate a `/v1/chat/completions` body within `limits`; RequestError names the first bad field."""
     req = parse_body(body, ChatCompletionRequest)
+    limits = limits or RequestLimits()
     if not req.messages:
         raise RequestError("messages must not be empty", "messages")
+    check_messages(req.messages, limits)
+    _check(limits, req, 1)
     return req
+
+
+def check_messages(messages: list[ChatMessage], limits: RequestLimits) -> None:
+    """Message and content-part counts, and the nesting of free-form part payloads."""
+    if len(messages) > limits.max_messages:
+        raise RequestError(
+            f"messages: {len(messages)} messages; this server takes at most {limits.max_messages}", "messages"
+        )
+    parts = [p for m in messages if isinstance(m.content, list) for p in m.content]
+    if len(parts) > limits.max_content_parts:
+        raise RequestError(
+            f"messages: {len(parts)} content parts; this server takes at most {limits.max_content_parts}",
+            "messages",
+        )
+    for part in parts:
+        if part.image_url is not None:
+            _check_json(limits, part.image_url, "messages.content.image_url")
+
+
+def _check(limits: RequestLimits, req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> None:
+    try:
+        limits.check_sequences(num_prompts, req.n)
+        limits.check_sampling(req)
+    except InvalidParam as e:
+        raise RequestError(str(e), e.param) from None
+
+
+def _check_json(limits: RequestLimits, value: Any, param: str) -> None:
+    try:
+        limits.check_json(value, param)
+    except InvalidParam as e:
+        raise RequestError(str(e), e.param) from None
 
 
 def prompt_inputs(req: CompletionRequest) -> list[str | list[int]]:

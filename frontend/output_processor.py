@@ -1,7 +1,8 @@
 """Turns `EngineOutput` deltas from the core into text, logprobs and finished results.
 
 Runs in the frontend (and the offline API's process). A request with n > 1 fans out into n engine
-requests ("{i}_{id}", seeds offset by i), whose results are gathered under the parent. Stop strings are
+requests ("{i}_{id}", seeds offset by i), whose results are gathered under the parent; a request's
+sequences are built first and registered only once the engine has admitted them all. Stop strings are
 found here after detokenization; the processor returns those engine request ids so the caller can
 abort them in the core. `process()` returns one `SequenceDelta` per sequence that changed (for
 streaming) and keeps the running totals for `RequestOutput`s.
@@ -102,20 +103,44 @@ class OutputProcessor:
                     seqs.append(ids)
         return seqs
 
-    def add_request(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams
-    ) -> list[tuple[str, SamplingParams]]:
-        """Register a request; returns (engine request id, params) for each sequence to submit."""
-        parent = ParentRequest(request_id, prompt, list(prompt_ids))
+    def engine_requests(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        eos_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[EngineRequest]:
+        """The engine requests of one prompt's n sequences ("{i}_{id}" when n > 1, seeds offset by i).
+        Nothing is registered: call `register` once the engine has admitted them."""
         if params.bad_words and not params.bad_words_token_ids:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_word_ids(params.bad_words))
-        if params.prompt_logprobs is not None:
+        now = time.time()
+        return [
+            EngineRequest(
+                request_id=request_id if params.n == 1 else f"{i}_{request_id}",
+                prompt_token_ids=prompt_ids,
+                sampling_params=child_params(params, i),
+                eos_token_ids=eos_token_ids or [],
+                arrival_time=now,
+                priority=priority,
+                cache_salt=cache_salt,
+            )
+            for i in range(params.n)
+        ]
+
+    def register(
+        self, request_id: str, prompt: str | None, prompt_ids: list[int], requests: list[EngineRequest]
+    ) -> None:
+        """Track the sequences of one prompt (from `engine_requests`) so their outputs can be processed."""
+        parent = ParentRequest(request_id, prompt, list(prompt_ids))
+        if requests[0].sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = []
         self.parents[request_id] = parent
-        engine_reqs = []
-        for i in range(params.n):
-            sub = child_params(params, i)
-            engine_id = request_id if params.n == 1 else f"{i}_{request_id}"
+        for i, er in enumerate(requests):
+            sub = er.sampling_params
             seq = Sequence(
                 parent,
                 i,
@@ -124,49 +149,25 @@ class OutputProcessor:
                 sub.logprobs is not None,
             )
             parent.sequences.append(seq)
-            self.sequences[engine_id] = seq
-            engine_reqs.append((engine_id, sub))
-        return engine_reqs
+            self.sequences[er.request_id] = seq
 
     def submit(
         self,
         engine: Any,
-        request_id: str,
-        prompt: str | None,
-        prompt_ids: list[int],
-        params: SamplingParams,
+        prompts: list[tuple[str, str | None, list[int], SamplingParams]],
         *,
         eos_token_ids: list[int],
         priority: int = 0,
         cache_salt: str | None = None,
-        group: tuple[str, int] | None = None,
     ) -> None:
-        """Register a request and add each of its sequences to `engine` (an `EngineCore`).
-
-        `group` (id, size) makes the sequences of several prompts of one API request pass the engine's
-        queue limits together; by default the request's own sequences form the group. If the engine
-        refuses one (`InvalidParam`, `QueueFull`), the sequences already added are aborted, the
-        request is forgotten, and the error propagates.
-        """
-        group_id, group_size = group or (request_id, params.n)
-        try:
-            for eid, sub in self.add_request(request_id, prompt, prompt_ids, params):
-                engine.add_request(
-                    EngineRequest(
-                        request_id=eid,
-                        prompt_token_ids=prompt_ids,
-                        sampling_params=sub,
-                        eos_token_ids=eos_token_ids,
-                        arrival_time=time.time(),
-                        priority=priority,
-                        cache_salt=cache_salt,
-                        group=group_id,
-                        group_size=group_size,
-                    )
-                )
-        except Exception:
-            self.withdraw(engine, request_id)
-            raise
+        """Add the sequences of one API request's prompts ((request id, text, token ids, params) each)
+        to `engine` (an `EngineCore`) together, and register them. If the engine refuses them
+        (`InvalidParam`, `QueueFull`), nothing was added or registered and the error propagates."""
+        kw = dict(eos_token_ids=eos_token_ids, priority=priority, cache_salt=cache_salt)
+        built = [(rid, text, ids, self.engine_requests(rid, ids, p, **kw)) for rid, text, ids, p in prompts]
+        engine.add_requests([er for *_, ers in built for er in ers])
+        for rid, text, ids, ers in built:
+            self.register(rid, text, ids, ers)
 
     def withdraw(self, engine: Any, request_id: str) -> None:
         """Abort whatever of a request still runs in `engine` and forget it."""

@@ -45,6 +45,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chat-template", default=None, help="a Jinja template file (or text) to override the model's"
     )
+    p.add_argument(
+        "--max-stream-buffer-tokens",
+        type=int,
+        default=16384,
+        help="a streaming client that leaves more tokens than this unread is cut off (its request aborted)",
+    )
+    p.add_argument(
+        "--stream-send-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a streaming client may take to accept one chunk before it is cut off",
+    )
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument("--snapshot-park", default=None, help=argparse.SUPPRESS)
 
@@ -88,6 +100,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         allowed_origins=tuple(args.allowed_origins),
         max_request_bytes=args.max_request_bytes,
         chat_template=args.chat_template,
+        max_stream_buffer_tokens=args.max_stream_buffer_tokens,
+        stream_send_timeout=args.stream_send_timeout,
     )
 
 

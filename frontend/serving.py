@@ -4,14 +4,17 @@ Runs in the HTTP server process (uvloop). A request's prompts x n sequences are 
 same `AsyncEngineClient` the SDK uses; their outputs are merged, detokenized and checked for stop
 strings by a per-request `OutputProcessor`, then sent as one JSON body or as SSE chunks
 (`data: {...}`, `data: [DONE]`). Leaving early (client disconnect, error) cancels the streams, which
-aborts the requests in the core. Before a stream starts, every sequence must be admitted by the core,
-so refusals get their status code (400 invalid, 503 queue full or shutting down); an engine that dies
-later becomes a 503 or an SSE error event.
+aborts the requests in the core. A request's sequences are submitted as one unit and admitted
+together before a stream starts, so refusals get their status code (400 invalid or never fitting, 503
+queue full or shutting down); an engine that dies later becomes a 503 or an SSE error event. A stream
+whose reader falls too far behind (`--max-stream-buffer-tokens`) or takes no data for
+`--stream-send-timeout` seconds is aborted, never buffered without bound.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,16 +24,24 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Message, Send
 
 from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestError
-from coreproc.protocol import EngineInfo, EngineOutput, SamplingParams
+from coreproc.limits import RequestLimits
+from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, SamplingParams
 from frontend import openai_responses as oresp
 from frontend.metrics import EngineMetrics, RequestTimer
-from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from frontend.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    to_sampling_params,
+)
 from frontend.output_processor import OutputProcessor, SequenceDelta
 from frontend.render import Prompt, response_body
 
 _json = msgspec.json.Encoder()
+log = logging.getLogger("ember.server")
 
 
 @dataclass
@@ -44,6 +55,9 @@ class ServingContext:
     metrics: EngineMetrics
     chat_template: str | None = None
     dead: str | None = None  # why the engine is gone, once it is
+    limits: RequestLimits = field(default_factory=RequestLimits)  # the core's, from its info
+    max_stream_buffer_tokens: int | None = None  # a stream's unread tokens before it is aborted
+    stream_send_timeout: float | None = None  # seconds a client may take to accept one SSE chunk
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
@@ -66,12 +80,18 @@ def refusal_error(e: EngineRequestError | EngineDeadError) -> RequestError:
         return RequestError(str(e), status=503, err_type="service_unavailable")
     if e.code == "invalid_request":
         return RequestError(str(e), e.param)
+    if e.code == "slow_consumer":
+        return RequestError(str(e), code="slow_consumer", status=408, err_type="timeout_error")
     return RequestError(str(e), status=500, err_type="internal_error")
 
 
 @dataclass
 class Generation:
-    """One API request in flight: its sequences in the engine and the merged output stream."""
+    """One API request in flight: its sequences in the engine and the merged output stream.
+
+    The sequences are submitted as one unit and admitted together; nothing per sequence is tracked
+    (detokenizers, outputs) before the engine has admitted them all. One task pulls the merged
+    outputs into a one-slot queue, so a slow reader backs up into the client's bounded buffer."""
 
     ctx: ServingContext
     req: CompletionRequest | ChatCompletionRequest
@@ -83,53 +103,56 @@ class Generation:
 
     def __post_init__(self) -> None:
         self.processor = OutputProcessor(self.ctx.tokenizer)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=1)
         self.rids: list[str] = []
-        self.admitted: list[asyncio.Future] = []  # one per sequence: accepted by the engine
         self.generated = 0  # tokens produced so far, all sequences
+        self.task: asyncio.Task | None = None
+        self._built: list[tuple[str, str | None, list[int], list[EngineRequest]]] = []
+        self._registered = False
 
     @property
     def num_sequences(self) -> int:
         return sum(p.n for p in self.params)
 
-    def start(self) -> None:
-        loop = asyncio.get_running_loop()
+    def start(self, max_buffered_tokens: int | None = None) -> None:
+        """Submit every sequence as one unit; `max_buffered_tokens` bounds what a slow reader may
+        leave unread before the request is aborted."""
         self.timer = self.ctx.metrics.request_started()
+        req = self.req
         for k, ((text, ids), params) in enumerate(zip(self.prompts, self.params)):
             rid = f"{self.hexid}-{k}"
             self.rids.append(rid)
-            for eid, sub in self.processor.add_request(rid, text, ids, params):
-                admitted = loop.create_future()
-                self.admitted.append(admitted)
-                self.tasks.append(asyncio.create_task(self._pump(eid, ids, sub, admitted)))
+            ers = self.processor.engine_requests(
+                rid, ids, params, priority=req.priority, cache_salt=req.cache_salt
+            )
+            self._built.append((rid, text, ids, ers))
+        self.admitted = asyncio.get_running_loop().create_future()
+        requests = [er for *_, ers in self._built for er in ers]
+        self.task = asyncio.create_task(self._pump(requests, max_buffered_tokens))
+
+    async def _pump(self, requests: list[EngineRequest], max_buffered_tokens: int | None) -> None:
+        outputs = self.ctx.client.generate_many(
+            requests, admitted=self.admitted, max_buffered_tokens=max_buffered_tokens
+        )
+        try:
+            async for out in outputs:
+                await self.queue.put(out)
+        except Exception as e:  # EngineDeadError, EngineRequestError: surfaced by `deltas`
+            if not self.admitted.done():
+                self.admitted.set_exception(e)
+            await self.queue.put(e)
 
     async def wait_admitted(self) -> None:
-        """Return once the engine accepted every sequence; raise the first refusal."""
-        for fut in asyncio.as_completed(self.admitted):
-            await fut
-
-    async def _pump(self, eid: str, ids: list[int], params: SamplingParams, admitted: asyncio.Future) -> None:
-        req, client = self.req, self.ctx.client
-        try:
-            stream = client.generate(
-                ids,
-                params,
-                request_id=eid,
-                priority=req.priority,
-                cache_salt=req.cache_salt,
-                admitted=admitted,
-                group=(self.hexid, self.num_sequences),
-            )
-            async for out in stream:
-                self.queue.put_nowait(out)
-        except Exception as e:  # EngineDeadError, EngineRequestError: surfaced by `deltas`
-            if not admitted.done():
-                admitted.set_exception(e)
-            self.queue.put_nowait(e)
+        """Return once the engine accepted every sequence (then track them); raise the refusal."""
+        await asyncio.shield(self.admitted)
+        if not self._registered:
+            self._registered = True
+            for rid, text, ids, ers in self._built:
+                self.processor.register(rid, text, ids, ers)
 
     async def deltas(self) -> AsyncIterator[SequenceDelta]:
         """Sequence deltas as they come; ends when every sequence has finished."""
+        await self.wait_admitted()  # raises the refusal
         remaining = self.num_sequences
         while remaining:
             item = await self.queue.get()
@@ -156,11 +179,10 @@ class Generation:
         Everything but the final wait is synchronous: under a cancelled scope (a client that hung up)
         the await may be interrupted, and the aborts and metrics must happen anyway.
         """
-        for task in self.tasks:
-            task.cancel()
-        for fut in self.admitted:  # nobody waits on these any more
-            if fut.done() and not fut.cancelled():
-                fut.exception()
+        if self.task is not None:
+            self.task.cancel()
+        if self.admitted.done() and not self.admitted.cancelled():
+            self.admitted.exception()  # nobody else may look at it
         if self.timer is not None:
             prompt_tokens = sum(len(ids) for _, ids in self.prompts)
             generated = sum(
@@ -168,7 +190,8 @@ class Generation:
             )
             self.timer.finish(finish_reason, prompt_tokens, generated)
             self.timer = None
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.task is not None:
+            await asyncio.gather(self.task, return_exceptions=True)
 
 
 async def _fail(gen: Generation, e: EngineDeadError | EngineRequestError) -> JSONResponse:
@@ -279,22 +302,43 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
+class BoundedStream(StreamingResponse):
+    """An SSE response whose every chunk must be taken by the client within `send_timeout` seconds;
+    a client that stops reading is cut off (its generation is aborted) instead of holding the
+    response, and the connection, forever."""
+
+    def __init__(self, content: AsyncIterator[bytes], send_timeout: float | None) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.send_timeout = send_timeout
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed(message: Message) -> None:
+            await asyncio.wait_for(send(message), self.send_timeout)
+
+        try:
+            await super().stream_response(timed)
+        except asyncio.TimeoutError:
+            log.warning("a streaming client took no data for %ss: closing its stream", self.send_timeout)
+        finally:
+            await self.body_iterator.aclose()
+
+
 async def serve_generation(
     ctx: ServingContext,
     request: Request,
     req: CompletionRequest | ChatCompletionRequest,
     prompts: list[Prompt],
 ) -> Response:
-    """Validate sampling against the context, submit, and answer (JSON or SSE)."""
-    from frontend.openai_protocol import to_sampling_params
-
+    """Validate sampling against the context and the limits, submit as one unit, and answer (JSON
+    or SSE)."""
     params = [to_sampling_params(req, len(ids), ctx.info.max_model_len) for _, ids in prompts]
     gen = Generation(ctx, req, prompts, params)
-    gen.start()
     if req.stream:
+        gen.start(ctx.max_stream_buffer_tokens)
         try:
             await gen.wait_admitted()
         except (EngineDeadError, EngineRequestError) as e:
             return await _fail(gen, e)
-        return StreamingResponse(stream(gen), media_type="text/event-stream")
+        return BoundedStream(stream(gen), ctx.stream_send_timeout)
+    gen.start()
     return await respond(gen, request)

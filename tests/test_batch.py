@@ -91,9 +91,9 @@ def test_results_match_the_offline_api(ckpt, llm, tmp_path, monkeypatch):
     from coreproc.engine import EngineCore
 
     seen_requests = []
-    original = EngineCore.add_request
+    original = EngineCore.add_requests
     monkeypatch.setattr(
-        EngineCore, "add_request", lambda self, r: (seen_requests.append(r), original(self, r))
+        EngineCore, "add_requests", lambda self, rs: (seen_requests.extend(rs), original(self, rs))
     )
     prompts = ["def fibonacci(n):", "import os\n", "for i in range(10):"]
     messages = [{"role": "user", "content": "hello there"}]
@@ -335,11 +335,12 @@ def test_stdin_to_stdout(ckpt):
 
 def test_queue_limits_hold_work_back_instead_of_failing_it(ckpt, llm, tmp_path):
     """With tight queue limits and one running request at a time, every line is still answered, in
-    full, with the same greedy text as the offline API (held back, never refused)."""
-    prompts = [f"print({i})" for i in range(7)] + [["a", "b"]]
+    full, with the same greedy text as the offline API (held back, never refused) — except a line
+    with more sequences than the queue can ever hold, which gets a 400 record at once."""
+    prompts = [f"print({i})" for i in range(7)] + [["a", "b"], ["a", "b", "c"]]
     items = [completion(f"q{i}", prompt=p, **GREEDY) for i, p in enumerate(prompts)]
     src, out = write_jsonl(tmp_path / "in.jsonl", items), tmp_path / "out.jsonl"
-    flags = ["--max-num-active-seqs", "1", "--max-num-queued-requests", "1", "--max-num-queued-tokens", "8"]
+    flags = ["--max-num-active-seqs", "1", "--max-num-queued-requests", "2", "--max-num-queued-tokens", "8"]
     assert main(["batch", "-i", str(src), "-o", str(out), *engine_flags(ckpt, *flags)]) == 0
     recs = by_id(read_records(out))
     assert set(recs) == {f"q{i}" for i in range(len(prompts))}
@@ -352,6 +353,8 @@ def test_queue_limits_hold_work_back_instead_of_failing_it(ckpt, llm, tmp_path):
         body = recs[f"q{i}"]["response"]["body"]
         assert body["choices"][0]["text"] == expect.outputs[0].text
     assert len(recs["q7"]["response"]["body"]["choices"]) == 2
+    never = recs["q8"]["response"]
+    assert never["status_code"] == 400 and "can never be admitted" in never["body"]["error"]["message"]
 
 
 def test_offline_api_respects_queue_limits(ckpt, llm):

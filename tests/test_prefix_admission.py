@@ -161,14 +161,20 @@ def test_queue_limits_refuse_new_work_but_an_empty_queue_takes_one():
         tokens.add_request(request("small", prompt=[3] * 5))
     step(tokens)  # "big" starts running: the queue is empty again
     tokens.add_request(request("small", prompt=[3] * 5))
-    # the sequences of one API request pass as a unit: all or none
-    grouped = Scheduler(make_config(max_num_queued_requests=2), num_kv_blocks=40)
-    for i in range(3):  # an empty queue takes a whole group, even one larger than the limit
-        grouped.add_request(request(f"g{i}", group="g", group_size=3))
-    with pytest.raises(QueueFull):
-        grouped.add_request(request("h0", group="h", group_size=2))
-    with pytest.raises(InvalidParam, match="group_size"):
-        grouped.add_request(request("huge", group="x", group_size=10**6))
+    # the sequences of one API request are admitted together or refused together
+    grouped = Scheduler(make_config(max_num_queued_requests=3), num_kv_blocks=40)
+    grouped.add_requests([request(f"g{i}") for i in range(2)])
+    with pytest.raises(QueueFull):  # 2 waiting + 2 > 3: none of them joins
+        grouped.add_requests([request("h0"), request("h1")])
+    assert set(grouped.requests) == {"g0", "g1"}
+    grouped.add_requests([request("h0")])
+    with pytest.raises(InvalidParam, match="can never be admitted"):  # more than the queue takes: 400
+        Scheduler(make_config(max_num_queued_requests=3), num_kv_blocks=40).add_requests(
+            [request(f"x{i}") for i in range(4)]
+        )
+    with pytest.raises(InvalidParam, match="prompt token ids"):  # one bad sequence refuses them all
+        grouped.add_requests([request("ok"), request("bad", prompt=[10**6])])
+    assert "ok" not in grouped.requests
 
 
 @pytest.mark.unit
