@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ class _Stream:
 
     def put(self, out: EngineOutput) -> bool:
         """Queue an output; True when the bound is now exceeded."""
-        self.buffered += max(1, len(out.new_token_ids))
+        self.buffered += len(out.new_token_ids)
         self.queue.put_nowait(out)
         return self.max_tokens is not None and self.buffered > self.max_tokens
 
@@ -103,7 +103,7 @@ class _Stream:
     async def get(self) -> EngineOutput | BaseException:
         item = await self.queue.get()
         if isinstance(item, EngineOutput):
-            self.buffered -= max(1, len(item.new_token_ids))
+            self.buffered -= len(item.new_token_ids)
         return item
 
 
@@ -281,9 +281,11 @@ class AsyncEngineClient:
         refused together) and stream their outputs merged, in arrival order, until all have finished.
 
         A refusal or a failure of any of them raises `EngineRequestError` (the others are aborted).
-        With `max_buffered_tokens`, a consumer that falls further behind than that many tokens gets
-        `EngineRequestError(code="slow_consumer")` instead of an ever-growing buffer, and the requests
-        are aborted in the engine."""
+        With `max_buffered_tokens` (at least 8 per request, a few steps' worth), a consumer that falls
+        further behind than that many tokens gets `EngineRequestError(code="slow_consumer")` instead of
+        an ever-growing buffer, and the requests are aborted in the engine."""
+        if max_buffered_tokens is not None:
+            max_buffered_tokens = max(max_buffered_tokens, 8 * len(requests))
         stream = _Stream(max_buffered_tokens)
         self._check_size(requests)
         rids = [r.request_id for r in requests]
@@ -326,10 +328,15 @@ class AsyncEngineClient:
     def _check_size(self, requests: list[EngineRequest]) -> None:
         """Refuse a submission the core would not take (it disconnects clients that send one)."""
         limit = (self.info_cache.limits if self.info_cache else {}).get("max_submit_bytes")
-        if not requests or limit is None:
+        if not requests:
             return
-        size = len(msgspec.msgpack.encode(requests[0])) * len(requests)  # the sequences differ little
-        if size > limit:
+        try:
+            size = len(msgspec.msgpack.encode(requests[0])) * len(requests)  # the sequences differ little
+        except (OverflowError, TypeError, ValueError) as e:
+            raise EngineRequestError(
+                f"the request cannot be sent to the engine: {e}", "invalid_request"
+            ) from None
+        if limit is not None and size > limit:
             raise EngineRequestError(
                 f"the request is too large for the engine: about {size} bytes encoded, limit {limit} "
                 "(--max-submit-bytes)",
@@ -394,12 +401,20 @@ class EngineClient:
         self, prompt_token_ids: list[int], params: SamplingParams | None = None, **kw: Any
     ) -> Iterator[EngineOutput]:
         """Blocking iterator over one request's outputs; closing it early aborts the request."""
+        return self._iterate(lambda: self._client.generate(prompt_token_ids, params, **kw))
+
+    def generate_many(self, requests: list[EngineRequest], **kw: Any) -> Iterator[EngineOutput]:
+        """Blocking iterator over the merged outputs of requests submitted as one unit (see
+        `AsyncEngineClient.generate_many`); closing it early aborts them."""
+        return self._iterate(lambda: self._client.generate_many(requests, **kw))
+
+    def _iterate(self, outputs: Callable[[], AsyncIterator[EngineOutput]]) -> Iterator[EngineOutput]:
         items: queue.Queue = queue.Queue()
         end = object()
 
         async def pump() -> None:
             try:
-                async for out in self._client.generate(prompt_token_ids, params, **kw):
+                async for out in outputs():
                     items.put(out)
             except Exception as e:
                 items.put(e)
@@ -414,8 +429,8 @@ class EngineClient:
             while (item := items.get()) is not end:
                 if isinstance(item, Exception):
                     raise item
-                finished = item.finished
                 yield item
+            finished = True
         finally:
             if not finished and not self._loop.is_closed():
                 future.cancel()  # cancels the stream, which aborts the request in the engine

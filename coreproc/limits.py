@@ -149,11 +149,15 @@ class RequestLimits:
             self.check_json(args, "logits_processor_args")
 
     def check_json(self, value: Any, param: str) -> None:
-        """A free-form JSON value nests at most `max_json_depth` levels."""
-        if not _shallow(value, self.max_json_depth):
+        """A free-form JSON value nests at most `max_json_depth` levels and holds only 64-bit integers
+        (what crosses to the core)."""
+        problem = _json_problem(value, self.max_json_depth)
+        if problem == "deep":
             raise InvalidParam(
                 f"{param}: nests deeper than this server's limit of {self.max_json_depth}", param
             )
+        if problem == "int":
+            raise InvalidParam(f"{param}: integers must fit in 64 bits", param)
 
 
 def _as_list(value: Any) -> list:
@@ -167,11 +171,16 @@ def _at_most(value: int, limit: int, param: str, what: str) -> None:
         raise InvalidParam(f"{param}: {value} {what}; this server takes at most {limit}", param)
 
 
-def _shallow(value: Any, depth: int) -> bool:
-    """Whether `value` (dicts and lists of JSON values) nests at most `depth` levels."""
+def _json_problem(value: Any, depth: int) -> str | None:
+    """ "deep" if `value` (dicts and lists of JSON values) nests more than `depth` levels, "int" if it
+    holds an integer outside 64 bits, else None."""
     if isinstance(value, (dict, list)):
         if depth <= 0:
-            return False
-        items = value.values() if isinstance(value, dict) else value
-        return all(_shallow(v, depth - 1) for v in items)
-    return True
+            return "deep"
+        for v in value.values() if isinstance(value, dict) else value:
+            problem = _json_problem(v, depth - 1)
+            if problem is not None:
+                return problem
+    elif type(value) is int and not -(2**63) <= value < 2**64:
+        return "int"
+    return None

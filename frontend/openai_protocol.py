@@ -252,9 +252,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
     try:
-        return {int(k): float(v) for k, v in bias.items()}
+        out = {int(k): float(v) for k, v in bias.items()}
     except ValueError:
         raise RequestError("logit_bias keys must be token ids", "logit_bias") from None
+    if any(not 0 <= k < 2**31 for k in out):
+        raise RequestError("logit_bias keys must be token ids", "logit_bias")
+    return out
 
 
 def to_sampling_params(
