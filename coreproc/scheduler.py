@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
-from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors, validate_request
+from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
 from coreproc.protocol import (
     CachedRequestData,
     EngineOutput,
@@ -30,7 +30,7 @@ from coreproc.protocol import (
 )
 from coreproc.request import Request, RequestStatus
 from coreproc.spec_decode import SpecStats, propose_ngram
-from coreproc.waiting import WaitingQueue
+from coreproc.waiting import WaitingQueue, validate
 
 
 class Scheduler:
@@ -88,7 +88,9 @@ class Scheduler:
         if len({er.request_id for er in ers}) < len(ers):
             raise InvalidParam("request ids must differ within one submission", "request_id")
         for er in ers:
-            self._validate(er)
+            if er.request_id in self.requests:
+                raise InvalidParam(f"request id {er.request_id!r} is already in use", "request_id")
+            validate(er, self.max_model_len, self.vocab_size, self.limits, self.processors)
         sc = self.config.scheduler
         self.waiting.admit(ers, sc.max_num_queued_requests, sc.max_num_queued_tokens)
         for er in ers:
@@ -96,34 +98,6 @@ class Scheduler:
             self._arrivals += 1
             self.requests[req.request_id] = req
             self.waiting.add(req)
-
-    def _validate(self, er: EngineRequest) -> None:
-        if er.request_id in self.requests:
-            raise InvalidParam(f"request id {er.request_id!r} is already in use", "request_id")
-        n = len(er.prompt_token_ids)
-        if n == 0:
-            raise InvalidParam("the prompt is empty", "prompt")
-        if n > self.max_model_len:
-            raise InvalidParam(
-                f"the prompt has {n} tokens but the model's maximum length is {self.max_model_len}", "prompt"
-            )
-        if any(t < 0 or t >= self.vocab_size for t in er.prompt_token_ids):
-            raise InvalidParam(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        params = er.sampling_params
-        if params.n != 1:
-            raise InvalidParam(
-                "the engine runs one sequence per request: submit n > 1 as n requests with n = 1 "
-                "(the SDK's generate_many, or the OpenAI API's n)",
-                "n",
-            )
-        params.validate()
-        self.limits.check_sampling(params)
-        validate_request(self.processors, params)
-        if er.lora is not None:
-            name = er.lora.name
-            raise InvalidParam(f"LoRA adapter {name!r}: no adapters are loaded in this engine", "lora")
-        if er.mm_refs:
-            raise InvalidParam("this engine's model takes no multimodal input", "messages")
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineOutput]:
         """Abort at once: blocks freed, workers told to forget; unknown ids are ignored."""

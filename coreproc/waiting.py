@@ -1,4 +1,4 @@
-"""The scheduler's waiting queue and its admission limits.
+"""The scheduler's waiting queue, its admission limits, and the checks every new request passes.
 
 Runs in the scheduler process. Requests that are not running wait here, ordered by policy: FCFS by
 arrival, priority by (priority, arrival time, arrival). A preempted request keeps its arrival order,
@@ -12,8 +12,43 @@ from __future__ import annotations
 
 import bisect
 
+from coreproc.limits import RequestLimits
+from coreproc.logits_processors import LogitsProcessor, validate_request
 from coreproc.protocol import EngineRequest, InvalidParam, QueueFull
 from coreproc.request import Request
+
+
+def validate(
+    er: EngineRequest,
+    max_model_len: int,
+    vocab_size: int,
+    limits: RequestLimits,
+    processors: list[LogitsProcessor],
+) -> None:
+    """Raise InvalidParam (naming the field) for a request that can never run here."""
+    n = len(er.prompt_token_ids)
+    if n == 0:
+        raise InvalidParam("the prompt is empty", "prompt")
+    if n > max_model_len:
+        raise InvalidParam(
+            f"the prompt has {n} tokens but the model's maximum length is {max_model_len}", "prompt"
+        )
+    if any(t < 0 or t >= vocab_size for t in er.prompt_token_ids):
+        raise InvalidParam(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    params = er.sampling_params
+    if params.n != 1:
+        raise InvalidParam(
+            "the engine runs one sequence per request: submit n > 1 as n requests with n = 1 "
+            "(the SDK's generate_many, or the OpenAI API's n)",
+            "n",
+        )
+    params.validate()
+    limits.check_sampling(params)
+    validate_request(processors, params)
+    if er.lora is not None:
+        raise InvalidParam(f"LoRA adapter {er.lora.name!r}: no adapters are loaded in this engine", "lora")
+    if er.mm_refs:
+        raise InvalidParam("this engine's model takes no multimodal input", "messages")
 
 
 class WaitingQueue:
