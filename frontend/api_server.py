@@ -35,6 +35,7 @@ from frontend.openai_protocol import (
     DetokenizeRequest,
     RequestError,
     TokenizeRequest,
+    check_messages,
     parse_body,
     parse_chat_request,
     parse_completion_request,
@@ -235,6 +236,7 @@ class Api:
             self._available()
             ctx = self.ctx
             if req.messages is not None:
+                check_messages(req.messages, ctx.limits)
                 chat = ChatCompletionRequest(
                     messages=req.messages, add_generation_prompt=req.add_generation_prompt
                 )

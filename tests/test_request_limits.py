@@ -199,8 +199,9 @@ def test_the_requests_that_took_the_server_down_are_400s_at_once(server):
             r = http.post("/v1/completions", json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         chat = {"messages": [{"role": "user", "content": "x"}] * 2049}
-        r = http.post("/v1/chat/completions", json=chat)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        for route in ("/v1/chat/completions", "/tokenize"):
+            r = http.post(route, json=chat)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", route
         assert http.get("/health").status_code == 200
 
 
