@@ -230,14 +230,14 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if self.stall_timeout <= 0:
             raise ConfigError("stall_timeout must be positive")
-
-    @property
-    def max_running(self) -> int:
-        return self.max_num_active_seqs or self.max_num_seqs
         if self.policy not in POLICIES:
             raise ConfigError(
                 f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
             )
+
+    @property
+    def max_running(self) -> int:
+        return self.max_num_active_seqs or self.max_num_seqs
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,8 @@ def test_flags_reach_the_config_and_defaults_follow_the_engine(make_ckpt):
         EngineConfig.create(ckpt, request_limits={"max_n": 0})
     with pytest.raises(ConfigError, match="unknown request limit 'max_tokens'"):
         EngineConfig.create(ckpt, request_limits={"max_tokens": 3})
+    with pytest.raises(ConfigError, match="unknown scheduling policy 'lifo'"):  # was never checked
+        EngineConfig.create(ckpt, scheduling_policy="lifo")
 
 
 def engine_request(rid: str, **params) -> EngineRequest:
