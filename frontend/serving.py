@@ -141,6 +141,8 @@ class Generation:
             if not self.admitted.done():
                 self.admitted.set_exception(e)
             await self.queue.put(e)
+        finally:  # cancelled while waiting for the reader: abort what still runs, now
+            await outputs.aclose()
 
     async def wait_admitted(self) -> None:
         """Return once the engine accepted every sequence (then track them); raise the refusal."""
