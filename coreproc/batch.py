@@ -23,11 +23,12 @@ from typing import IO, Any
 
 import msgspec
 
+from coreproc.errors import EmberError
 from coreproc.outputs import RequestOutput
 from coreproc.protocol import QueueFull
-from frontend import openai_protocol as oai
-from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from frontend.render import Prompt, render_prompts, response_body
+from coreproc.text import openai_protocol as oai
+from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from coreproc.text.render import Prompt, render_prompts, response_body
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many times --max-num-seqs
@@ -148,7 +149,7 @@ class RecordSink:
         try:
             self.f: IO[bytes] = sys.stdout.buffer if self.to_stdout else open(path, "ab")  # noqa: SIM115
         except OSError as e:
-            raise ValueError(f"cannot write the output file {path}: {e.strerror}") from None
+            raise EmberError(f"cannot write the output file {path}: {e.strerror}") from None
 
     def write(self, record: dict[str, Any]) -> None:
         self.f.write(msgspec.json.encode(record) + b"\n")
@@ -190,11 +191,11 @@ class BatchRunner:
 
     def __init__(self, config: Any, sink: RecordSink, done: Answered, show_progress: bool = True) -> None:
         from coreproc.engine import EngineCore
-        from frontend.output_processor import OutputProcessor
-        from frontend.tokenizer import eos_token_ids, load_tokenizer
+        from coreproc.text.output_processor import OutputProcessor
+        from coreproc.text.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.eos_ids = eos_token_ids(config.model.model, self.tokenizer)
+        self.eos_ids = list(config.model.eos_token_ids)
         self.model_name = Path(config.model.model).name
         self.max_model_len, self.vocab_size = config.model.max_model_len, config.model.vocab_size
         self.limits = config.limits  # the same per-request bounds as the HTTP server's
@@ -237,6 +238,7 @@ class BatchRunner:
         return n
 
     def _prompts(self, item: BatchItem) -> tuple[Any, list[Prompt]]:
+        req: ChatCompletionRequest | CompletionRequest
         if item.kind == "chat":
             req = oai.parse_chat_request(item.body, self.limits)
         else:
@@ -360,19 +362,18 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.input != "-" and not os.path.isfile(args.input):
-        raise FileNotFoundError(f"input file not found: {args.input}")
+        raise EmberError(f"input file not found: {args.input}")
     if args.input != "-" and args.output != "-" and os.path.exists(args.output):
         if os.path.samefile(args.input, args.output):
-            raise ValueError("the output file must not be the input file")
+            raise EmberError("the output file must not be the input file")
     if args.max_in_flight is not None and args.max_in_flight < 1:
-        raise ValueError("--max-in-flight must be at least 1")
+        raise EmberError("--max-in-flight must be at least 1")
     done = scan_output(args.output) if args.output != "-" else Answered()
     total = count_lines(args.input) if args.input != "-" else None
 
-    from coreproc.config import EngineConfig
-    from frontend.cli import engine_kwargs
+    from coreproc.config import EngineConfig, engine_options
 
-    config = EngineConfig.create(**engine_kwargs(args))
+    config = EngineConfig.create(**engine_options(args))
     sink = RecordSink(args.output)
     try:
         runner = BatchRunner(config, sink, done, show_progress=not args.no_progress)

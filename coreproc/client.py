@@ -11,6 +11,7 @@ instead of hanging. CURVE keys are used for non-loopback TCP.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -28,15 +29,19 @@ from zmq.utils.monitor import parse_monitor_message
 from coreproc.ipc import Codec, apply_curve_client
 from coreproc.protocol import (
     TO_CLIENT,
+    UTILITY_METHODS,
     AbortRequests,
     EngineDead,
     EngineInfo,
     EngineOutput,
     EngineRequest,
+    ErrorCode,
     OutputBatch,
     SamplingParams,
+    SchedulerStats,
     SubmitRequests,
     UtilityCall,
+    UtilityMethod,
     UtilityResult,
 )
 
@@ -47,9 +52,9 @@ class EngineDeadError(RuntimeError):
 
 class EngineRequestError(RuntimeError):
     """The engine refused or failed one request; the message says why, `code` what kind of failure
-    ("invalid_request", "overloaded", "unavailable", or None for a failure while running)."""
+    (an `ErrorCode`, or None for a failure while running)."""
 
-    def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(self, message: str, code: ErrorCode | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.param = param
@@ -59,12 +64,11 @@ HEARTBEAT_S = 1.0
 
 
 def _settle(fut: asyncio.Future | None, error: BaseException | None = None) -> None:
-    if fut is None or fut.done():
-        return
-    if error is None:
-        fut.set_result(True)
-    else:
-        fut.set_exception(error)
+    if fut is not None and not fut.done():
+        if error is None:
+            fut.set_result(True)
+        else:
+            fut.set_exception(error)
 
 
 _FATAL_EVENTS = {
@@ -89,9 +93,6 @@ class _Stream:
         self.buffered += len(out.new_token_ids)
         self.queue.put_nowait(out)
         return self.max_tokens is not None and self.buffered > self.max_tokens
-
-    def put_nowait(self, item: BaseException) -> None:
-        self.queue.put_nowait(item)
 
     def fail(self, error: BaseException) -> None:
         self.overflowed = True
@@ -194,7 +195,7 @@ class AsyncEngineClient:
             return
         self.dead = reason
         for stream in {id(s): s for s in self.streams.values()}.values():
-            stream.put_nowait(EngineDeadError(reason))
+            stream.queue.put_nowait(EngineDeadError(reason))
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(EngineDeadError(reason))
@@ -221,8 +222,10 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------ public calls
 
-    async def call(self, method: str, timeout: float | None = 30.0, **args: Any) -> Any:
-        """A utility RPC ("info", "stats", "reset_prefix_cache")."""
+    async def call(self, method: UtilityMethod, timeout: float | None = 30.0, **args: Any) -> Any:
+        """A utility RPC (see `UtilityMethod`); ValueError for a method the core does not answer."""
+        if method not in UTILITY_METHODS:
+            raise ValueError(f"unknown utility method {method!r}; the core answers {UTILITY_METHODS}")
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self.calls[call_id] = fut
@@ -238,8 +241,8 @@ class AsyncEngineClient:
     async def info(self, timeout: float | None = 30.0) -> EngineInfo:
         return msgspec.convert(await self.call("info", timeout), EngineInfo)
 
-    async def stats(self) -> dict:
-        return await self.call("stats")
+    async def stats(self, timeout: float | None = 30.0) -> SchedulerStats:
+        return msgspec.convert(await self.call("stats", timeout), SchedulerStats)
 
     async def reset_prefix_cache(self) -> int:
         return await self.call("reset_prefix_cache")
@@ -388,7 +391,7 @@ class EngineClient:
     def info(self) -> EngineInfo:
         return self._run(self._client.info())
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         return self._run(self._client.stats())
 
     def reset_prefix_cache(self) -> int:
@@ -434,10 +437,8 @@ class EngineClient:
         finally:
             if not finished and not self._loop.is_closed():
                 future.cancel()  # cancels the stream, which aborts the request in the engine
-                try:
+                with contextlib.suppress(BaseException):
                     future.result(timeout=30)
-                except BaseException:
-                    pass
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -448,10 +449,8 @@ class EngineClient:
             return
         for pump in list(self._pumps):  # open streams: cancel them (which aborts their requests)
             pump.cancel()
-            try:
+            with contextlib.suppress(BaseException):
                 pump.result(timeout=30)
-            except BaseException:
-                pass
         self._run(self._client.aclose())
         self._stop_loop()
         self._loop.close()

@@ -1,188 +1,57 @@
 """The engine's configuration: one root of frozen dataclasses, built once from the CLI or the LLM API.
 
-Runs in every process (the config travels to workers as constructor arguments). Values the engine
-learns while running (KV block count, EOS ids) travel in typed messages and are never written back
-here. `EngineConfig.create(...)` validates user input and raises `ConfigError` with one clear line.
+Part of the shared base: runs in every process (the config travels to workers as JSON) and imports
+nothing above it. Every engine setting is a field declared with `option(...)` (coreproc.options): its
+type, default, help and flag are said here once, and the CLI's engine flags and `LLM(...)`'s keywords
+are derived from them. Values the engine learns while running (KV block count) travel in typed
+messages and are never written back here; facts of the checkpoint (shape, EOS ids) are read once, in
+`ModelConfig.from_dir`. `EngineConfig.create(...)` validates user input and raises `ConfigError`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import logging
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from coreproc import options as opt
+from coreproc.errors import ConfigError
 from coreproc.limits import RequestLimits
-from workers.models import SUPPORTED_ARCHITECTURES
-from workers.quant import resolve_name as resolve_quantization
+from coreproc.model_config import ModelConfig, one_of
+from coreproc.options import option
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-POLICIES = ("fcfs", "priority")
+POLICIES: tuple[str, ...] = ("fcfs", "priority")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "ipc_cache")
 
+__all__ = [
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "ENGINE_SECTIONS",
+    "add_engine_arguments",
+    "engine_options",
+]
 
-class ConfigError(ValueError):
-    """A configuration value is wrong; the message is one line meant for the user."""
-
-
-def cuda_present() -> bool:
-    """Whether the installed torch was built with CUDA and the host has an NVIDIA device."""
-    import glob
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    version_file = Path(spec.submodule_search_locations[0]) / "version.py"
-    try:
-        built_with_cuda = re.search(r"^cuda\b.*=\s*['\"]", version_file.read_text(), re.MULTILINE) is not None
-    except OSError:
-        return False
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return False
-    return built_with_cuda and bool(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def engine_version() -> str:
-    """The installed ember-serve version."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("ember-serve")
-    except PackageNotFoundError:
-        return "0+unknown"
-
-
-def cpu_has_fast_half(dtype: str = "bfloat16") -> bool:
-    """Whether this CPU computes `dtype` (bfloat16 / float16) fast: natively (AVX-512 BF16 / FP16, AMX),
-    or, for bfloat16, through Ember's native CPU ops (AVX2 + FMA; not with EMBER_CPU_KERNELS=torch).
-    Otherwise torch emulates it, many times slower than float32."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split())
-                    break
-    except OSError:
-        pass
-    if flags & {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"}:
-        return True
-    native = os.environ.get("EMBER_CPU_KERNELS", "auto").strip().lower() != "torch"
-    return dtype == "bfloat16" and native and {"avx2", "fma"} <= flags
-
-
-def default_model_dir() -> Path:
-    """The small model bundled with Ember, used whenever no model is given."""
-    return Path(__file__).resolve().parent.parent / "tools" / "default_model"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The checkpoint and what we read from its config.json (read once, here)."""
-
-    model: str
-    architecture: str
-    dtype: str  # resolved: float32 | bfloat16 | float16
-    max_model_len: int
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    tokenizer: str
-    seed: int = 0
-    quantization: str | None = None  # canonical online-quantization method name
-    revision: str | None = None  # the user's name for this checkpoint version (part of the cache key)
-
-    @classmethod
-    def from_dir(
-        cls,
-        model: str | os.PathLike | None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        device: str = "cpu",
-        quantization: str | None = None,
-        revision: str | None = None,
-    ) -> ModelConfig:
-        """Read config.json. dtype "auto" takes the checkpoint's dtype, except that on a CPU that would
-        only emulate it (`cpu_has_fast_half`) it computes in float32 (emulated bf16 is many times slower)."""
-        path = Path(model) if model is not None else default_model_dir()
-        if not path.is_dir():
-            raise ConfigError(f"model directory not found: {path}")
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ConfigError(f"{path} has no config.json (is it a Hugging Face checkpoint folder?)")
-        if not any(path.glob("*.safetensors")):
-            raise ConfigError(f"{path} holds no *.safetensors weights")
-        hf = json.loads(cfg_file.read_text())
-        try:
-            quantization = resolve_quantization(quantization)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if hf.get("quantization_config"):
-            method = hf["quantization_config"].get("quant_method", "unknown")
-            raise ConfigError(f"{path} is a pre-quantized checkpoint ({method}); Ember does not load those")
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ConfigError(
-                f"unsupported architecture {archs or '(none given)'} in {cfg_file}; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        if dtype not in DTYPES:
-            raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-        if dtype == "auto":
-            dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
-            if dtype not in DTYPES:
-                dtype = "float32"
-            if dtype != "float32" and device == "cpu" and not cpu_has_fast_half(dtype):
-                dtype = "float32"
-        heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        limit = int(hf.get("max_position_embeddings") or 2048)
-        if max_model_len is None:
-            max_model_len = limit
-        elif max_model_len < 2:
-            raise ConfigError("max_model_len must be at least 2")
-        elif max_model_len > limit:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}"
-            )
-        return cls(
-            model=str(path),
-            architecture=arch,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            vocab_size=int(hf["vocab_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hidden // heads),
-            hidden_size=hidden,
-            tokenizer=str(path),
-            seed=seed,
-            quantization=quantization,
-            revision=revision,
-        )
+log = logging.getLogger("ember.config")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache sizing and prefix caching."""
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # fixed count; otherwise derived from the memory budget
-    kv_cache_memory: int | None = None  # bytes for KV across all layers
-    kv_cache_memory_fraction: float | None = None  # of free memory; default per device
-    enable_prefix_caching: bool = True
-    prefix_hash_seed: int | None = None  # None: a random seed per launch
+    block_size: int = option("tokens per KV block (a power of two)", 16)
+    num_kv_blocks: int | None = option("fixed number of KV blocks (default: from the memory budget)", None)
+    kv_cache_memory: int | None = option("bytes of KV cache across all layers", None)
+    kv_cache_memory_fraction: float | None = option("fraction of free memory for the KV cache", None)
+    enable_prefix_caching: bool = option("reuse the KV blocks of shared prompt prefixes", True)
+    prefix_hash_seed: int | None = option(
+        "prefix-cache hash seed (default: random per launch)", None, flag="--prefix-cache-seed"
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -196,27 +65,38 @@ class CacheConfig:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Continuous-batching limits and policy."""
 
-    max_num_seqs: int = 256  # sizes per-step buffers
-    max_num_batched_tokens: int = 2048
-    policy: str = "fcfs"
-    async_scheduling: bool = True  # multiprocess engines schedule step N+1 while step N runs
-    max_num_active_seqs: int | None = None  # cap on RUNNING requests (None: max_num_seqs)
-    # a prefill longer than this is "long": while other prefills wait it gets a fair share of the
-    # step budget, floor(budget / prefills), instead of all of it (0: never share)
-    long_prefill_token_threshold: int = 0
-    max_num_queued_requests: int | None = None  # new requests beyond this are refused (HTTP 503)
-    max_num_queued_tokens: int | None = None  # ... and beyond this many queued prompt tokens
-    stall_timeout: float = 60.0  # work held but no step completed for this long: unhealthy
+    max_num_seqs: int = option("most sequences in the engine at once (sizes per-step buffers)", 256)
+    max_num_batched_tokens: int = option(
+        "token budget of one step (default: the context length, clamped to [2048, 8192])", derived=True
+    )
+    policy: Literal["fcfs", "priority"] = option(
+        "order of admission", "fcfs", keyword="scheduling_policy", flag="--scheduling-policy"
+    )
+    async_scheduling: bool = option(
+        "schedule the next step while workers run the current one (multiprocess engine)", True
+    )
+    max_num_active_seqs: int | None = option("cap on running requests (<= --max-num-seqs)", None)
+    long_prefill_token_threshold: int = option(
+        "prefills longer than this share the step budget fairly while others wait "
+        "(default: 4% of the context, at least one block; 0 disables)",
+        derived=True,
+    )
+    max_num_queued_requests: int | None = option("refuse (503) new requests beyond this many waiting", None)
+    max_num_queued_tokens: int | None = option("refuse (503) beyond this many waiting prompt tokens", None)
+    stall_timeout: float = option(
+        "seconds with work held and no step completed before /health reports a stall", 60.0
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be at least 1")
+        one_of(self.policy, POLICIES, "scheduling policy")
         active = self.max_num_active_seqs
         if active is not None and not 1 <= active <= self.max_num_seqs:
             raise ConfigError(
@@ -230,10 +110,6 @@ class SchedulerConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if self.stall_timeout <= 0:
             raise ConfigError("stall_timeout must be positive")
-        if self.policy not in POLICIES:
-            raise ConfigError(
-                f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}"
-            )
 
     @property
     def max_running(self) -> int:
@@ -244,10 +120,10 @@ class SchedulerConfig:
 class ParallelConfig:
     """Tensor parallelism (each worker gets its own copy with `rank` set) and this engine's DP place."""
 
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = option("tensor-parallel workers", 1, short="-tp")
     rank: int = 0
-    data_parallel_size: int = 1
-    data_parallel_rank: int = 0
+    data_parallel_size: int = option("data-parallel engines (preload daemons' layout)", 1, short="-dp")
+    data_parallel_rank: int = option("this engine's rank among data-parallel engines", 0)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -256,25 +132,24 @@ class ParallelConfig:
             raise ConfigError("data_parallel_rank must be in [0, data_parallel_size)")
 
 
-LOAD_FORMATS = ("auto", "ipc_cache")
-
-
 @dataclass(frozen=True)
 class LoadConfig:
     """Where weights come from: the checkpoint on disk, or a preload daemon's cache (`ipc_cache`)."""
 
-    load_format: str = "auto"
-    socket_dir: str | None = None  # where preload daemons listen (default: a private per-user dir)
-    preload_wait_timeout: float = 0.0  # seconds to wait for a daemon before loading from disk
-    # CPU: after loading, serve the weights from a copy-on-write mapping of this file (snapshots)
-    weights_file: str | None = None
-    worker_zygote: bool = True  # with ipc_cache, fork workers from the preload zygote when it is there
+    load_format: Literal["auto", "ipc_cache"] = option(
+        "auto: from disk; ipc_cache: from a running `ember preload` (disk when none answers)", "auto"
+    )
+    socket_dir: str | None = option("preload daemons' socket directory (default: a private one)", None)
+    preload_wait_timeout: float = option("wait this long for a preload daemon (s)", 0.0)
+    weights_file: str | None = option(  # set by `ember snapshot`
+        "CPU: serve weights from a copy-on-write mapping of this file", None, hidden=True
+    )
+    worker_zygote: bool = option(
+        "with --load-format ipc_cache, fork workers from the preload zygote when one is running", True
+    )
 
     def __post_init__(self) -> None:
-        if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(
-                f"unknown load format {self.load_format!r}; choose one of {', '.join(LOAD_FORMATS)}"
-            )
+        one_of(self.load_format, LOAD_FORMATS, "load format")
 
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -282,9 +157,9 @@ SPEC_METHODS = ("ngram", "draft_model")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: how tokens are proposed and how many per step."""
+    """Speculative decoding: how tokens are proposed and how many per step (`--speculative-config`)."""
 
-    method: str = "ngram"
+    method: Literal["ngram", "draft_model"] = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1  # n-gram: shortest suffix to match
     prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
@@ -292,10 +167,7 @@ class SpeculativeConfig:
     draft: ModelConfig | None = None  # filled by EngineConfig.create from `model`
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ConfigError(
-                f"unknown speculative method {self.method!r}; choose one of {', '.join(SPEC_METHODS)}"
-            )
+        one_of(self.method, SPEC_METHODS, "speculative method")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ConfigError("num_speculative_tokens must be in [1, 16]")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -304,14 +176,18 @@ class SpeculativeConfig:
             raise ConfigError('speculative method "draft_model" needs "model": the draft checkpoint folder')
 
     @classmethod
-    def parse(cls, text: str | dict | None) -> SpeculativeConfig | None:
+    def parse(cls, text: str | Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """From `--speculative-config` JSON (or a dict); unknown keys are an error naming them."""
+        if isinstance(text, SpeculativeConfig):
+            return text
         if text is None or text == "":
             return None
         try:
             raw = json.loads(text) if isinstance(text, str) else dict(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("--speculative-config must be a JSON object")
         known = set(cls.__dataclass_fields__) - {"draft"}
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -325,13 +201,17 @@ class SpeculativeConfig:
 class DeviceConfig:
     """Where workers run and which attention backend they use (None: chosen by device)."""
 
-    device: str = "auto"
-    attention_backend: str | None = None
+    device: str = option("cpu, cuda, cuda:N, or auto (CUDA when present)", "auto")
+    attention_backend: Literal["torch", "triton"] | None = option(
+        "attention kernels (default: triton on CUDA, torch on CPU)", None
+    )
 
     @property
     def resolved(self) -> str:
         """ "auto" means CUDA when this torch build supports it and an NVIDIA device is present; decided
         without importing torch, which costs seconds in processes that never compute (frontend, core)."""
+        from coreproc.host import cuda_present
+
         if self.device != "auto":
             return self.device
         return "cuda" if cuda_present() else "cpu"
@@ -368,118 +248,75 @@ class EngineConfig:
 
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    scheduler: SchedulerConfig = field(
+        default_factory=lambda: SchedulerConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=0)
+    )
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     # processors beyond the built-ins: installed entry points (found by `create`), then module:Class flags
-    logits_processors: tuple[str, ...] = ()
-    speculative: SpeculativeConfig | None = None
+    logits_processors: tuple[str, ...] = option(
+        "extra logits processors (built-ins and ember.logits_processors entry points always load)",
+        (),
+        metavar="MODULE:CLASS",
+    )
+    speculative: SpeculativeConfig | None = option(
+        'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'',
+        None,
+        keyword="speculative_config",
+        metavar="JSON",
+    )
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
 
     @classmethod
-    def create(
-        cls,
-        model: str | os.PathLike | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        seed: int = 0,
-        quantization: str | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        scheduling_policy: str = "fcfs",
-        async_scheduling: bool = True,
-        max_num_active_seqs: int | None = None,
-        long_prefill_token_threshold: int | None = None,
-        max_num_queued_requests: int | None = None,
-        max_num_queued_tokens: int | None = None,
-        stall_timeout: float = 60.0,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        enable_prefix_caching: bool = True,
-        prefix_hash_seed: int | None = None,
-        tensor_parallel_size: int = 1,
-        data_parallel_size: int = 1,
-        data_parallel_rank: int = 0,
-        device: str = "auto",
-        attention_backend: str | None = None,
-        revision: str | None = None,
-        load_format: str = "auto",
-        socket_dir: str | None = None,
-        preload_wait_timeout: float = 0.0,
-        logits_processors: tuple[str, ...] | list[str] = (),
-        speculative_config: str | dict | None = None,
-        weights_file: str | None = None,
-        worker_zygote: bool = True,
-        request_limits: RequestLimits | Mapping[str, Any] | None = None,
-    ) -> EngineConfig:
-        """Build and validate the whole tree from flat, CLI-shaped arguments."""
-        device_cfg = DeviceConfig(device=device, attention_backend=attention_backend)
+    def create(cls, model: str | os.PathLike | None = None, **options: Any) -> EngineConfig:
+        """Build and validate the whole tree from flat keywords: one per option of `ENGINE_SECTIONS`
+        (the CLI's engine flags), plus `request_limits` (a RequestLimits or a mapping of its fields)."""
+        values = opt.defaults(ENGINE_SECTIONS)
+        extra = options.pop("request_limits", None)
+        unknown = sorted(set(options) - set(values))
+        if unknown:
+            raise ConfigError(f"unknown engine option {unknown[0]!r}")
+        values.update(options, model=model)
+        parts = {
+            title: {s.field: values[s.keyword] for s in opt.settings(((title, sec),))}
+            for title, sec in ENGINE_SECTIONS
+        }
+        device = DeviceConfig(**parts["device"])
+        m = parts["model"]
         model_cfg = ModelConfig.from_dir(
-            model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            device=device_cfg.resolved_type,
-            quantization=quantization,
-            revision=revision,
-        )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, min(model_cfg.max_model_len, 8192))
-        from coreproc.logits_processors import (
-            ProcessorContext,
-            engine_specs,
-            installed_specs,
-            load_processors,
-        )
-
-        logits_processors = (*installed_specs(), *logits_processors)  # looked up once, here
-        if logits_processors:  # fail fast, in the caller's process, on a processor that cannot load
-            ctx = ProcessorContext(model_cfg.vocab_size, model_cfg.max_model_len)
-            load_processors(engine_specs(logits_processors), ctx)
-        speculative = SpeculativeConfig.parse(speculative_config)
+            m["model"], m["dtype"], m["max_model_len"], m["seed"], device.resolved_type, m["quantization"],
+            m["revision"],
+        )  # fmt: skip
+        sched = parts["scheduler"]
+        if sched["max_num_batched_tokens"] is None:
+            sched["max_num_batched_tokens"] = max(2048, min(model_cfg.max_model_len, 8192))
+        if sched["long_prefill_token_threshold"] is None:  # 4% of the context, at least one block
+            sched["long_prefill_token_threshold"] = max(
+                parts["cache"]["block_size"], model_cfg.max_model_len // 25
+            )
+        processors = _check_processors(tuple(values["logits_processors"]), model_cfg)
+        speculative = SpeculativeConfig.parse(values["speculative_config"])
         if speculative is not None:  # verification needs each step's tokens before the next is planned
-            async_scheduling = False
+            sched["async_scheduling"] = False
         if speculative is not None and speculative.method == "draft_model":
-            speculative = _with_draft(speculative, model_cfg, tensor_parallel_size, seed, device_cfg)
+            tp = parts["parallel"]["tensor_parallel_size"]
+            speculative = _with_draft(speculative, model_cfg, tp, model_cfg.seed, device)
         try:
-            limits = RequestLimits.of(request_limits).resolve(max_num_seqs, model_cfg.vocab_size)
+            given = parts["request limits"]
+            if extra is not None:  # `request_limits=`: a RequestLimits, or a mapping of some fields
+                given |= dataclasses.asdict(extra) if isinstance(extra, RequestLimits) else dict(extra)
+            limits = RequestLimits.of(given).resolve(sched["max_num_seqs"], model_cfg.vocab_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if long_prefill_token_threshold is None:  # default: 4% of the context, at least one block
-            long_prefill_token_threshold = max(block_size, model_cfg.max_model_len // 25)
         return cls(
             model=model_cfg,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                kv_cache_memory=kv_cache_memory,
-                kv_cache_memory_fraction=kv_cache_memory_fraction,
-                enable_prefix_caching=enable_prefix_caching,
-                prefix_hash_seed=prefix_hash_seed,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                policy=scheduling_policy,
-                async_scheduling=async_scheduling,
-                max_num_active_seqs=max_num_active_seqs,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                max_num_queued_requests=max_num_queued_requests,
-                max_num_queued_tokens=max_num_queued_tokens,
-                stall_timeout=stall_timeout,
-            ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size,
-                data_parallel_size=data_parallel_size,
-                data_parallel_rank=data_parallel_rank,
-            ),
-            device=device_cfg,
-            load=LoadConfig(load_format, socket_dir, preload_wait_timeout, weights_file, worker_zygote),
-            logits_processors=tuple(logits_processors),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**sched),
+            parallel=ParallelConfig(**parts["parallel"]),
+            device=device,
+            load=LoadConfig(**parts["load"]),
+            logits_processors=processors,
             speculative=speculative,
             limits=limits,
         )
@@ -487,3 +324,41 @@ class EngineConfig:
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.model.max_model_len // self.cache.block_size)
+
+
+def _check_processors(flags: tuple[str, ...], model: ModelConfig) -> tuple[str, ...]:
+    """Installed entry points (looked up once, here) then the flags' processors; each must load."""
+    from coreproc.logits_processors import ProcessorContext, engine_specs, installed_specs, load_processors
+
+    specs = (*installed_specs(), *flags)
+    if specs:  # fail fast, in the caller's process, on a processor that cannot load
+        try:
+            load_processors(engine_specs(specs), ProcessorContext(model.vocab_size, model.max_model_len))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    return specs
+
+
+# every engine setting, by section: the CLI's argument groups and `create()`'s keywords
+ENGINE_SECTIONS: tuple[tuple[str, type], ...] = (
+    ("model", ModelConfig),
+    ("cache", CacheConfig),
+    ("scheduler", SchedulerConfig),
+    ("parallel", ParallelConfig),
+    ("device", DeviceConfig),
+    ("load", LoadConfig),
+    ("engine", EngineConfig),
+    ("request limits", RequestLimits),
+)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine flags of every command that builds an engine: one argument group per section."""
+    opt.add_arguments(p, ENGINE_SECTIONS)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed engine flags as `EngineConfig.create` keywords (a positional model wins over --model)."""
+    kwargs = opt.collect(args, ENGINE_SECTIONS)
+    kwargs["model"] = getattr(args, "model", None) or kwargs["model"]
+    return kwargs

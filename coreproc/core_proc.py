@@ -3,11 +3,11 @@
 Clients (the SDK, the HTTP frontend) connect DEALER sockets to this process's ROUTER and send
 `SubmitRequests` / `AbortRequests` / `UtilityCall`; each gets `OutputBatch`es for its own requests
 (the first output of an admitted request is an empty acknowledgement; the requests of a refused
-submission each get one finished output with an `error_code`), `UtilityResult`s, and `EngineDead`
-if the engine fails. Each loop turn: drain client messages (block only when idle), run one overlapped
-engine step, route outputs. A dead worker fails every request at once and ends the process non-zero;
-SIGTERM/SIGINT stop admission, let running requests finish within a grace period, abort the rest,
-and exit 0.
+submission each get one finished output with an `error_code`), `UtilityResult`s (an unknown utility
+method gets an error, never silence), and `EngineDead` if the engine fails. Each loop turn: drain
+client messages (block only when idle), run one overlapped engine step, route outputs. A dead worker
+fails every request at once and ends the process non-zero; SIGTERM/SIGINT stop admission, let running
+requests finish within a grace period, abort the rest, and exit 0.
 """
 
 from __future__ import annotations
@@ -18,18 +18,22 @@ import os
 import signal
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import zmq
 
-from coreproc import boot
-from coreproc.config import EngineConfig, engine_version
+from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
+from coreproc.errors import EmberError
 from coreproc.executor import MultiprocExecutor, WorkerError
+from coreproc.host import engine_version
 from coreproc.ipc import Codec, CurveServer, is_loopback_endpoint
 from coreproc.protocol import (
+    KIND_OF,
     TO_CORE,
+    UTILITY_METHODS,
     AbortRequests,
     CoreReady,
     EngineDead,
@@ -39,10 +43,13 @@ from coreproc.protocol import (
     InvalidParam,
     OutputBatch,
     QueueFull,
+    RefusalCode,
     SubmitRequests,
     UtilityCall,
+    UtilityMethod,
     UtilityResult,
 )
+from coreproc.startup import boot
 
 log = logging.getLogger("ember.core")
 
@@ -64,15 +71,13 @@ class CoreServer:
         client_timeout: float = 10.0,
     ) -> None:
         if not is_loopback_endpoint(listen) and curve_keys is None:
-            raise ValueError(
+            raise EmberError(
                 f"{listen} is reachable from other hosts: give --curve-keys DIR (see `ember keygen`)"
             )
         self.config = config
         self.shutdown_timeout = shutdown_timeout
-        with ThreadPoolExecutor(1) as pool:  # the tokenizer loads while the workers start
-            eos = pool.submit(_eos_ids, config)
-            self._bind_and_start(config, listen, runtime_dir, curve_keys)
-            self.eos_ids = eos.result()
+        self.eos_ids = list(config.model.eos_token_ids)
+        self._bind_and_start(config, listen, runtime_dir, curve_keys)
         overlapped = config.scheduler.async_scheduling and config.speculative is None
         self._step = self.engine.step_overlapped if overlapped else self.engine.step
         self.owner: dict[str, bytes] = {}  # request id -> client identity
@@ -171,7 +176,7 @@ class CoreServer:
     def _add(self, identity: bytes, reqs: list[EngineRequest]) -> None:
         """Admit the requests of one submission together, or refuse them all with one reason."""
 
-        def reject(reason: str, code: str, param: str | None = None) -> None:
+        def reject(reason: str, code: RefusalCode, param: str | None = None) -> None:
             outs = [
                 EngineOutput(
                     r.request_id, finish_reason="error", error=reason, error_code=code, error_param=param
@@ -199,16 +204,36 @@ class CoreServer:
             self._admitted.append(EngineOutput(req.request_id))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
+        """Answer one `UtilityMethod`; anything else is refused with the list of methods."""
+        answers: dict[UtilityMethod, Callable[[], object]] = {
+            "info": self.info,
+            "stats": self.engine.stats,
+            "reset_prefix_cache": self.engine.reset_prefix_cache,
+            "ping": lambda: True,  # a liveness probe that asked for an answer
+        }
+        answer = answers.get(call.method)
+        if answer is None:
+            return UtilityResult(call.call_id, error=_unknown_method(call.method))
         try:
-            if call.method == "info":
-                return UtilityResult(call.call_id, self.info())
-            if call.method == "stats":
-                return UtilityResult(call.call_id, self.engine.stats())
-            if call.method == "reset_prefix_cache":
-                return UtilityResult(call.call_id, self.engine.reset_prefix_cache())
-            return UtilityResult(call.call_id, error=f"unknown method {call.method!r}")
+            return UtilityResult(call.call_id, answer())
         except Exception as e:  # a bad utility call must not take the engine down
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _refuse_undecodable(self, identity: bytes, frames: list[bytes], error: Exception) -> None:
+        """Drop a malformed message, but answer a utility call the core cannot decode (an unknown
+        method) so that its caller is not left waiting."""
+        log.warning("ignoring a malformed client message: %s", error)
+        if len(frames) != 2 or frames[0] != KIND_OF[UtilityCall]:
+            return
+        try:
+            call_id, method = msgspec.msgpack.decode(frames[1])[:2]
+        except Exception:
+            return
+        if isinstance(call_id, int) and call_id > 0:
+            reason = (
+                f"malformed utility call: {error}" if method in UTILITY_METHODS else _unknown_method(method)
+            )
+            self._send(identity, UtilityResult(call_id, error=reason))
 
     def _drain(self, timeout_ms: int) -> None:
         """Handle every waiting client message; wait up to `timeout_ms` for the first. Requests
@@ -219,7 +244,7 @@ class CoreServer:
             try:
                 msg = self.codec.decode(frames)
             except Exception as e:
-                log.warning("ignoring a malformed client message: %s", e)
+                self._refuse_undecodable(identity, frames, e)
                 continue
             self._handle(identity, msg)
         if self._admitted:
@@ -280,10 +305,8 @@ class CoreServer:
         self.ctx.term()
 
 
-def _eos_ids(config: EngineConfig) -> list[int]:
-    from frontend.tokenizer import eos_token_ids, load_tokenizer
-
-    return eos_token_ids(config.model.model, load_tokenizer(config.model.tokenizer))
+def _unknown_method(method: object) -> str:
+    return f"unknown utility method {method!r}; the core answers {', '.join(UTILITY_METHODS)}"
 
 
 def run_core_process(
@@ -308,14 +331,19 @@ def run_core_process(
         report.connect(ready_endpoint)
     codec = Codec(())
     try:
-        with boot.paused():  # already off when started through coreproc.boot
+        with boot.paused():  # already off when started through coreproc.startup.boot
             server = CoreServer(
                 config, listen, runtime_dir, curve_keys, shutdown_timeout, parent_pid, client_timeout
             )
     except Exception as e:
-        log.error("engine failed to start: %s", e)
+        user = isinstance(e, EmberError)  # the caller says it in one line; anything else is logged here
+        if report is None and user:
+            raise  # `ember core`: the CLI prints it
+        if not user:
+            log.exception("engine failed to start")
         if report is not None:
-            report.send_multipart(codec.encode(CoreReady(error=f"{type(e).__name__}: {e}")))
+            error = str(e) if user else f"{type(e).__name__}: {e}"
+            report.send_multipart(codec.encode(CoreReady(error=error, user_error=user)))
             report.close()
         return 1
     boot.settle()
@@ -331,8 +359,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m coreproc.core_proc`: started by a launcher, config as JSON on stdin."""
     import argparse
     import sys
-
-    import msgspec
 
     parser = argparse.ArgumentParser(prog="python -m coreproc.core_proc")
     parser.add_argument("--listen", required=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from coreproc.config import EngineConfig
 from coreproc.executor import Executor, make_executor
 from coreproc.ipc import make_runtime_dir, remove_runtime_dir
-from coreproc.protocol import EngineOutput, EngineRequest, SchedulerOutput
+from coreproc.protocol import EngineOutput, EngineRequest, SchedulerOutput, SchedulerStats
 from coreproc.scheduler import Scheduler
 
 log = logging.getLogger("ember.core")
@@ -119,13 +119,13 @@ class EngineCore:
             log.error("%s; scheduler state: %s", reason, json.dumps(self.scheduler.describe()))
         return reason
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         """Scheduler counters plus progress: how long since a step finished, whether work waits, and
         the watchdog's verdict (`stalled`: a reason, or None)."""
         stats = self.scheduler.stats()
-        stats["has_work"] = self.has_unfinished_requests()
-        stats["seconds_since_step"] = time.monotonic() - self.last_step_end
-        stats["stalled"] = self.check_stall()
+        stats.has_work = self.has_unfinished_requests()
+        stats.seconds_since_step = time.monotonic() - self.last_step_end
+        stats.stalled = self.check_stall()
         return stats
 
     def reset_prefix_cache(self) -> int:

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from coreproc.config import EngineConfig
+from coreproc.errors import EmberError
 from coreproc.ipc import Codec, ipc_endpoint
 from coreproc.protocol import (
     FROM_WORKER,
@@ -32,7 +33,7 @@ from coreproc.protocol import (
     WorkerFailed,
     WorkerReady,
 )
-from coreproc.spawn import spawn_worker
+from coreproc.startup.spawn import spawn_worker
 
 log = logging.getLogger("ember.executor")
 
@@ -140,6 +141,8 @@ class MultiprocExecutor:
             _, *frames = self.sock.recv_multipart()
             msg = self.codec.decode(frames)
             if isinstance(msg, WorkerFailed):
+                if msg.user_error:  # the worker refused what it was given: say so, in the user's words
+                    raise EmberError(f"worker {msg.rank}: {msg.error}")
                 raise WorkerError(f"worker {msg.rank} failed: {msg.error}")
             return msg
         self.check_alive()

@@ -22,6 +22,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from coreproc.errors import EmberError
 from coreproc.protocol import KIND_OF
 
 
@@ -34,7 +35,9 @@ class Codec:
 
     def __init__(self, allowed: tuple[type, ...]) -> None:
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoders = {KIND_OF[t]: msgspec.msgpack.Decoder(t) for t in allowed}
+        self._decoders: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
+            KIND_OF[t]: msgspec.msgpack.Decoder(t) for t in allowed
+        }
 
     def encode(self, msg: Any) -> list[bytes]:
         return [KIND_OF[type(msg)], self._encoder.encode(msg)]
@@ -107,7 +110,7 @@ class CurveServer:
         secret = keys_dir / "server.key_secret"
         clients = keys_dir / "clients"
         if not secret.is_file() or not clients.is_dir():
-            raise ValueError(f"{keys_dir} lacks server.key_secret or clients/ (see `ember keygen`)")
+            raise EmberError(f"{keys_dir} lacks server.key_secret or clients/ (see `ember keygen`)")
         self.public, self.secret = zmq.auth.load_certificate(str(secret))
         self.auth = ThreadAuthenticator(context)
         self.auth.start()

@@ -3,26 +3,26 @@
 Runs in the frontend (at parse time, before any prompt is tokenized) and in the scheduler process
 (every `EngineRequest`, whatever path it came by), so a client of `ember core` cannot do through the
 socket what HTTP refuses. `RequestLimits` is part of the engine's config, built once; every field is
-a server flag derived from the dataclass (`--max-n`, `--max-prompts-per-request`, ...), and the core
+an engine option (coreproc.options) (`--max-n`, `--max-prompts-per-request`, ...), and the core
 reports the values to clients in `EngineInfo.limits`. A broken bound raises `InvalidParam` naming
 the field and the limit (HTTP 400).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from coreproc.options import option
 from coreproc.protocol import InvalidParam
 
 
 def _limit(default: int | None, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+    return option(help, default, metavar="N")
 
 
 @dataclass(frozen=True)
@@ -80,32 +80,6 @@ class RequestLimits:
         if unknown:
             raise ValueError(f"unknown request limit {unknown[0]!r}; known: {', '.join(sorted(names))}")
         return cls(**value)
-
-    # ------------------------------------------------------------------ command line
-
-    @classmethod
-    def add_arguments(cls, p: argparse.ArgumentParser) -> None:
-        """One `--max-...` flag per field, help and default from the dataclass."""
-        g = p.add_argument_group("request limits (each a 400 naming the field and the limit)")
-        for f in dataclasses.fields(cls):
-            shown = "" if f.default is None else f" [{f.default}]"
-            g.add_argument(
-                "--" + f.name.replace("_", "-"),
-                dest=f"limit_{f.name}",
-                type=int,
-                default=None,
-                metavar="N",
-                help=f"{f.metadata['help']}{shown}",
-            )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RequestLimits:
-        given = {
-            f.name: getattr(args, f"limit_{f.name}")
-            for f in dataclasses.fields(cls)
-            if getattr(args, f"limit_{f.name}", None) is not None
-        }
-        return cls(**given)
 
     # ------------------------------------------------------------------ checks
 

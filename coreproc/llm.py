@@ -15,13 +15,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from coreproc import boot
 from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import InvalidParam, QueueFull, SamplingParams
-from frontend.output_processor import OutputProcessor, SequenceDelta
-from frontend.tokenizer import eos_token_ids, load_tokenizer
+from coreproc.protocol import InvalidParam, QueueFull, SamplingParams, SchedulerStats
+from coreproc.startup import boot
+from coreproc.text.output_processor import OutputProcessor, SequenceDelta
+from coreproc.text.tokenizer import load_tokenizer
 
 PromptInput = str | list[int] | dict
 
@@ -39,14 +39,14 @@ class LLM:
     ) -> None:
         """Build from vLLM-style engine arguments, or from a ready `EngineConfig` (`config=`).
 
-        The garbage collector is paused while the engine is built (coreproc.boot): full collections
+        The garbage collector is paused while the engine is built (coreproc.startup.boot): full collections
         would walk torch's objects again and again. The heap is not frozen here, so a dropped engine
         is still collected.
         """
         with boot.paused():
             self.config = config if config is not None else EngineConfig.create(model, **engine_args)
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-            self.eos_token_ids = eos_token_ids(self.config.model.model, self.tokenizer)
+            self.eos_token_ids = list(self.config.model.eos_token_ids)
             self.engine = EngineCore(self.config, show_progress=show_progress)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -65,7 +65,7 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def stats(self) -> dict:
+    def stats(self) -> SchedulerStats:
         return self.engine.stats()
 
     # ------------------------------------------------------------------ prompts

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from coreproc.protocol import FinishReason
+
 
 @dataclass
 class Logprob:
@@ -28,7 +30,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
     @property

@@ -1,22 +1,42 @@
-"""Every message that crosses a process boundary in Ember, as msgspec Structs.
+"""Every message that crosses a process boundary in Ember, as msgspec Structs, and its vocabulary.
 
 Shared by the frontend, the scheduler process (coreproc) and the workers. In-process engines pass these
 objects directly; multiprocess engines encode them with msgspec (msgpack), never pickle. Per-step
 messages are `array_like`, `omit_defaults` and `gc=False` so encoding stays cheap on the hot path.
 Directions: frontend -> core (`SubmitRequests`, `AbortRequests`, `UtilityCall`), core -> frontend
-(`OutputBatch`, `UtilityResult`, `EngineDead`), core -> workers (`SchedulerOutput`, `Shutdown`),
-workers -> core (`WorkerReady`, `RunnerOutput`, `WorkerFailed`). On a socket every message is two
-frames: a one-byte kind (`KIND_OF`) and the msgpack body; each socket decodes only its direction.
+(`OutputBatch`, `UtilityResult` with an `EngineInfo` or `SchedulerStats`, `EngineDead`), core -> workers
+(`SchedulerOutput`, `Shutdown`), workers -> core (`WorkerReady`, `RunnerOutput`, `WorkerFailed`). On a
+socket every message is two frames: a one-byte kind (`KIND_OF`) and the msgpack body; each socket
+decodes only its direction. Codes (finish reasons, refusals, utility methods) are `Literal`s below.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgspec
 
+from coreproc.errors import EmberError
 
-class InvalidParam(ValueError):
+# ----------------------------------------------------------------------------- codes
+
+# why a sequence ended: a stop condition (EOS, stop token or string), max_tokens / max_model_len,
+# aborted (its client left or fell silent, shutdown's grace period ended), or failed (refused,
+# unschedulable, engine dead)
+FinishReason = Literal["stop", "length", "abort", "error"]
+FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
+# why the core refused a submission (`EngineOutput.error_code`): HTTP 400, 503 (queue full), 503
+RefusalCode = Literal["invalid_request", "overloaded", "unavailable"]
+# `EngineRequestError.code`: a refusal, or the SDK aborted a reader that fell too far behind
+ErrorCode = Literal[RefusalCode, "slow_consumer"]
+# what the core's utility dispatcher answers; "ping" with call id 0 is the SDK's heartbeat (no reply)
+UtilityMethod = Literal["info", "stats", "reset_prefix_cache", "ping"]
+UTILITY_METHODS: tuple[UtilityMethod, ...] = get_args(UtilityMethod)
+CacheRequestKind = Literal["state", "ping"]  # give me the weights / are you ready?
+CacheStatus = Literal["ok", "mismatch", "error", "ready"]  # "ready" answers a "ping"
+
+
+class InvalidParam(EmberError, ValueError):
     """A user-supplied value is out of range; `param` names it (OpenAI error bodies carry it)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
@@ -231,11 +251,11 @@ class EngineOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     new_token_ids: list[int] = []
     new_logprobs: list[TokenLogprobs] = []
     new_prompt_logprobs: list[TokenLogprobs | None] = []
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
-    error_code: str | None = None  # "invalid_request" | "overloaded" | "unavailable" (HTTP 400/503)
+    error_code: RefusalCode | None = None  # set when refused; None for a failure while running
     error_param: str | None = None  # the request field an "invalid_request" is about
 
     @property
@@ -248,10 +268,10 @@ class AbortRequests(msgspec.Struct, array_like=True, gc=False):
 
 
 class UtilityCall(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A typed RPC to the core: "info", "stats", "reset_prefix_cache", "shutdown"."""
+    """A typed RPC to the core (`UtilityMethod`); call id 0 asks for no reply."""
 
     call_id: int
-    method: str
+    method: UtilityMethod
     args: dict[str, Any] = {}
 
 
@@ -291,11 +311,40 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     limits: dict[str, int] = {}  # the core's `RequestLimits`, resolved (see coreproc/limits.py)
 
 
+class SchedulerStats(msgspec.Struct, kw_only=True):
+    """The "stats" call's answer (and `LLM.stats()`); defaults are an idle engine. Counters count since
+    the engine started; the `spec_*` fields stay at zero without speculative decoding."""
+
+    num_running: int = 0  # requests in the running batch
+    num_waiting: int = 0  # requests queued (new or preempted)
+    num_queued_tokens: int = 0  # prompt tokens of the waiting requests
+    kv_usage: float = 0.0  # share of KV blocks in use, 0 to 1
+    num_kv_blocks: int = 0  # blocks in the KV cache (from the workers)
+    num_blocks_in_use: int = 0  # held by running requests
+    num_steps: int = 0  # engine steps run
+    worker_busy_seconds: float = 0.0  # the workers' time in steps (summed `RunnerOutput.execute_seconds`)
+    num_preemptions: int = 0  # running requests preempted because blocks ran out
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # ... and found there
+    prefix_cache_hit_rate: float = 0.0  # hits / queries
+    spec_num_drafts: int = 0  # verification steps that carried proposals
+    spec_num_proposed: int = 0  # proposed tokens
+    spec_num_accepted: int = 0  # proposed tokens kept
+    spec_acceptance_rate: float = 0.0  # accepted / proposed
+    spec_mean_accepted_length: float = 0.0  # tokens per verification step (1 + accepted proposals)
+    spec_accepted_per_position: list[int] = []  # accepted tokens by position in the proposal
+    spec_proposed_per_position: list[int] = []  # proposed tokens by position in the proposal
+    has_work: bool = False  # requests queued, running or in flight
+    seconds_since_step: float = 0.0  # since the last step finished
+    stalled: str | None = None  # the watchdog's verdict (`--stall-timeout`): why the engine is stuck
+
+
 class CoreReady(msgspec.Struct, kw_only=True):
     """Sent once by a core process to its launcher: where clients connect, or why it failed."""
 
     address: str = ""
     error: str | None = None
+    user_error: bool = False  # the error is one a user can fix (an EmberError): one line, exit 2
 
 
 class StepRequest(msgspec.Struct, array_like=True, gc=False):
@@ -314,6 +363,7 @@ class StepResult(msgspec.Struct, array_like=True, gc=False):
 class WorkerFailed(msgspec.Struct, array_like=True):
     rank: int
     error: str
+    user_error: bool = False  # an EmberError (e.g. the checkpoint does not fit the model)
 
 
 class Shutdown(msgspec.Struct, array_like=True):
@@ -345,7 +395,7 @@ class Fingerprint(msgspec.Struct, kw_only=True, frozen=True):
 class CacheRequest(msgspec.Struct, kw_only=True):
     """Engine -> daemon over its Unix socket: "state" (give me the weights) or "ping" (are you ready?)."""
 
-    kind: str
+    kind: CacheRequestKind
     fingerprint: Fingerprint | None = None
 
 
@@ -365,7 +415,7 @@ class CacheTensor(msgspec.Struct, array_like=True, frozen=True):
 class CacheReply(msgspec.Struct, kw_only=True):
     """Daemon -> engine. "ok" comes with the arena's file descriptor (SCM_RIGHTS) on CPU."""
 
-    status: str  # "ok" | "mismatch" | "error" | "ready"
+    status: CacheStatus
     message: str = ""
     fields: list[str] = []  # fingerprint fields that differ (status "mismatch")
     fingerprint: Fingerprint | None = None  # what the daemon holds

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from coreproc.protocol import EngineRequest, SamplingParams
+from coreproc.protocol import EngineRequest, FinishReason, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -25,11 +25,11 @@ class RequestStatus(enum.IntEnum):
         return self >= RequestStatus.FINISHED_STOPPED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",

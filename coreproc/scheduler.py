@@ -27,6 +27,7 @@ from coreproc.protocol import (
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
+    SchedulerStats,
 )
 from coreproc.request import Request, RequestStatus
 from coreproc.spec_decode import SpecStats, propose_ngram
@@ -403,22 +404,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ introspection
 
-    def stats(self) -> dict:
-        return {
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "kv_usage": self.kv.usage,
-            "num_kv_blocks": self.kv.num_blocks,
-            "num_blocks_in_use": self.kv.num_blocks_in_use(),
-            "num_steps": self.num_steps,
-            "worker_busy_seconds": self.worker_busy_seconds,
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_queries": self.kv.queries,
-            "prefix_cache_hits": self.kv.hits,
-            "prefix_cache_hit_rate": self.kv.hit_rate,
-            "num_queued_tokens": self.waiting.num_tokens,
-            **(self.spec_stats.as_dict() if self.spec is not None else {}),
-        }
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(  # the engine adds its progress (`has_work`, `stalled`, ...)
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_queued_tokens=self.waiting.num_tokens,
+            kv_usage=self.kv.usage,
+            num_kv_blocks=self.kv.num_blocks,
+            num_blocks_in_use=self.kv.num_blocks_in_use(),
+            num_steps=self.num_steps,
+            worker_busy_seconds=self.worker_busy_seconds,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.queries,
+            prefix_cache_hits=self.kv.hits,
+            prefix_cache_hit_rate=self.kv.hit_rate,
+            **(self.spec_stats.as_dict() if self.spec is not None else {}),  # the spec_* fields
+        )
 
     def describe(self, limit: int = 8) -> dict:
         """The scheduler's state for a stall report: counts, free blocks and the first requests."""

@@ -14,9 +14,8 @@ import contextlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -27,10 +26,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coreproc.client import AsyncEngineClient, EngineDeadError
-from coreproc.config import engine_version
+from coreproc.host import engine_version
 from coreproc.limits import RequestLimits
-from frontend.metrics import EngineMetrics
-from frontend.openai_protocol import (
+from coreproc.protocol import SchedulerStats
+from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
     RequestError,
@@ -40,30 +39,17 @@ from frontend.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from frontend.render import render_prompts
+from coreproc.text.render import render_prompts
+from frontend.metrics import EngineMetrics
+from frontend.server_config import ServerConfig
 from frontend.serving import ServingContext, engine_dead_error, error_response, serve_generation
 
 if TYPE_CHECKING:
-    from frontend.tokenizer import Tokenizer
+    from coreproc.text.tokenizer import Tokenizer
 
 log = logging.getLogger("ember.server")
 
 STATS_INTERVAL_S = 1.0
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """HTTP-side settings of `ember serve`."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    api_key: str | None = None
-    allowed_origins: tuple[str, ...] = ()
-    max_request_bytes: int = 16 * 2**20
-    chat_template: str | None = None  # a file path or the template itself
-    max_stream_buffer_tokens: int = 16384  # a stream's unread tokens before it is aborted
-    stream_send_timeout: float = 60.0  # seconds a streaming client may take to accept one chunk
 
 
 class BodyLimit:
@@ -132,14 +118,14 @@ class Api:
         self.model_name = cfg.served_model_name or Path(model_dir).name
         self.accepted = {self.model_name, model_dir, str(Path(model_dir).resolve())}
         self.ctx: ServingContext | None = None
-        self.stats: dict[str, Any] = {}
+        self.stats = SchedulerStats()  # the core's, refreshed every STATS_INTERVAL_S
         self.stats_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette):
-        from frontend.tokenizer import load_tokenizer
+        from coreproc.text.tokenizer import load_tokenizer
 
         client = await AsyncEngineClient.connect(self.address)
         template = self.cfg.chat_template
@@ -169,7 +155,7 @@ class Api:
         ctx = self.ctx
         while ctx.dead is None:
             try:
-                self.stats = await ctx.client.call("stats", timeout=5.0)
+                self.stats = await ctx.client.stats(timeout=5.0)
                 self.stats_at = time.monotonic()
                 ctx.metrics.update_engine(self.stats)
             except EngineDeadError:
@@ -291,7 +277,7 @@ class Api:
         age = time.monotonic() - self.stats_at
         if age > 5 * STATS_INTERVAL_S + 5.0:
             return f"engine has not answered for {age:.0f}s"
-        return self.stats.get("stalled")  # the core's watchdog (`--stall-timeout`)
+        return self.stats.stalled  # the core's watchdog (`--stall-timeout`)
 
     async def ready(self, request: Request) -> Response:
         if self.ctx is None or self.ctx.dead is not None or self.ctx.client.dead is not None:

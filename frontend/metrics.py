@@ -2,9 +2,10 @@
 
 Runs in the frontend process. Request handlers report each request's life through a `RequestTimer`
 (admitted -> tokens arrive -> finished) and refusals through `request_rejected`; a periodic poll of
-the core's "stats" utility feeds `update_engine`. Nothing is sent anywhere: Prometheus scrapes
-`render()`. Every `EngineMetrics` owns its `CollectorRegistry` (never the library's global one) and
-labels every series with `model_name`. Latencies use `time.monotonic` unless a clock is injected.
+the core's "stats" utility (a `SchedulerStats`) feeds `update_engine`. Nothing is sent anywhere:
+Prometheus scrapes `render()`. Every `EngineMetrics` owns its `CollectorRegistry` (never the library's
+global one) and labels every series with `model_name`. Latencies use `time.monotonic` unless a clock
+is injected.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-Clock = Callable[[], float]
+from coreproc.protocol import FINISH_REASONS, FinishReason, SchedulerStats
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+Clock = Callable[[], float]
 
 # Seconds. Wide enough for a GPU (sub-millisecond decode steps) and for the Triton interpreter on a
 # CPU (seconds per step, minutes per request).
@@ -40,7 +41,7 @@ E2E_BUCKETS = (
     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0,
 )  # fmt: skip
 
-# The core's "stats" keys shown as gauges: key -> (metric name, help).
+# `SchedulerStats` fields shown as gauges: field -> (metric name, help).
 _ENGINE_GAUGES = {
     "num_running": ("ember_num_requests_running", "Requests the engine is running (in the current batch)."),
     "num_waiting": ("ember_num_requests_waiting", "Requests queued in the engine, waiting to be scheduled."),
@@ -59,7 +60,7 @@ _ENGINE_GAUGES = {
         "Speculative decoding: tokens produced per verification step (1 + accepted proposals).",
     ),
 }
-# Cumulative "stats" keys mirrored as counters (prometheus_client appends `_total` to the name).
+# Cumulative `SchedulerStats` fields mirrored as counters (prometheus_client appends `_total`).
 _ENGINE_COUNTERS = {
     "num_preemptions": ("ember_num_preemptions", "Requests preempted by the engine (KV cache full)."),
     "prefix_cache_queries": ("ember_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
@@ -146,27 +147,26 @@ class EngineMetrics:
         """A request refused (4xx/5xx) before it reached the engine."""
         self._rejected.labels(self.model_name, str(status_code)).inc()
 
-    def _record_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+    def _record_finished(
+        self, finish_reason: FinishReason, prompt_tokens: int, generation_tokens: int
+    ) -> None:
         self._requests.labels(self.model_name, finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
 
-    def update_engine(self, stats: dict) -> None:
-        """Mirror the core's "stats" utility result; missing keys leave their metric unchanged.
+    def update_engine(self, stats: SchedulerStats) -> None:
+        """Mirror the core's "stats" utility result.
 
         Cumulative engine counters are added by their increase since the last update. A value lower
         than the last one means the engine restarted from zero, so all of it is new.
         """
         for key, gauge in self._gauges.items():
-            if key in stats:
-                gauge.set(stats[key])
-        proposed = stats.get("spec_proposed_per_position", [])
-        for pos, (acc, prop) in enumerate(zip(stats.get("spec_accepted_per_position", []), proposed)):
+            gauge.set(getattr(stats, key))
+        positions = zip(stats.spec_accepted_per_position, stats.spec_proposed_per_position)
+        for pos, (acc, prop) in enumerate(positions):
             self._spec_position.labels(self.model_name, str(pos)).set(acc / prop if prop else 0.0)
         for key, counter in self._mirrored.items():
-            if key not in stats:
-                continue
-            value, last = float(stats[key]), self._last_cumulative[key]
+            value, last = float(getattr(stats, key)), self._last_cumulative[key]
             delta = value - last if value >= last else value
             if delta > 0:
                 counter.inc(delta)
@@ -204,7 +204,7 @@ class RequestTimer:
                 self._metrics.itl.observe(per_token)
         self._last_token = now
 
-    def finish(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+    def finish(self, finish_reason: FinishReason, prompt_tokens: int, generation_tokens: int) -> None:
         """Record end-to-end latency and the counters; later calls are ignored (safe in `finally`).
 
         `finish_reason` is one of stop, length, abort, error.

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from frontend.openai_protocol import (
+from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

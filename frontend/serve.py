@@ -24,40 +24,21 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from coreproc.errors import EmberError
 from frontend.canary import canary_request, canary_result
+from frontend.server_config import add_server_arguments, server_config
 from frontend.snapshot_manifest import write_json_atomic
 
 if TYPE_CHECKING:
     from coreproc.config import EngineConfig
-    from frontend.api_server import ServerConfig
 
 HANDOFF_POLL_S = 0.002
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The model positional and the server flags (the CLI adds the engine flags)."""
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--served-model-name", default=None, help="model name in the API (default: folder name)")
-    p.add_argument("--api-key", default=None, help="require this bearer key on /v1 routes")
-    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins (e.g. '*')")
-    p.add_argument("--max-request-bytes", type=int, default=16 * 2**20)
-    p.add_argument(
-        "--chat-template", default=None, help="a Jinja template file (or text) to override the model's"
-    )
-    p.add_argument(
-        "--max-stream-buffer-tokens",
-        type=int,
-        default=16384,
-        help="a streaming client that leaves more tokens than this unread is cut off (its request aborted)",
-    )
-    p.add_argument(
-        "--stream-send-timeout",
-        type=float,
-        default=60.0,
-        help="seconds a streaming client may take to accept one chunk before it is cut off",
-    )
-    p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    add_server_arguments(p)
     p.add_argument("--snapshot-park", default=None, help=argparse.SUPPRESS)
 
 
@@ -69,7 +50,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+        raise EmberError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(2048)
     return sock
 
@@ -89,35 +70,19 @@ def describe_engine(address: str) -> str:
     )
 
 
-def server_config(args: argparse.Namespace) -> ServerConfig:
-    from frontend.api_server import ServerConfig
-
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key,
-        allowed_origins=tuple(args.allowed_origins),
-        max_request_bytes=args.max_request_bytes,
-        chat_template=args.chat_template,
-        max_stream_buffer_tokens=args.max_stream_buffer_tokens,
-        stream_send_timeout=args.stream_send_timeout,
-    )
-
-
 def prepare_http(tokenizer_dir: str) -> tuple[Any, Any, Any]:
     """The HTTP stack's imports and the tokenizer (uvicorn, build_app, tokenizer): done while the
     engine starts, they are off the time to ready."""
     import uvicorn
 
+    from coreproc.text.tokenizer import load_tokenizer
     from frontend.api_server import build_app
-    from frontend.tokenizer import load_tokenizer
 
     return uvicorn, build_app, load_tokenizer(tokenizer_dir)
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    from coreproc.launcher import CoreProcess
+    from coreproc.startup.launcher import CoreProcess
 
     if args.snapshot_park:
         return run_parked(args, config, Path(args.snapshot_park))
@@ -145,7 +110,7 @@ def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> i
     """Initialize fully, answer the canary, wait for a restore's address, then serve (see module doc)."""
     import asyncio
 
-    from coreproc.launcher import CoreProcess
+    from coreproc.startup.launcher import CoreProcess
     from frontend.api_server import build_app
 
     cfg = server_config(args)
@@ -186,7 +151,7 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
             loop.remove_signal_handler(sig)
         try:
             sock = bind(addr["host"], addr["port"])
-        except ValueError as e:
+        except EmberError as e:
             print(f"ember serve: restored, but {e}", flush=True)
             return 1
         host, port = sock.getsockname()[:2]

@@ -28,17 +28,17 @@ from starlette.types import Message, Send
 
 from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from coreproc.limits import RequestLimits
-from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, SamplingParams
-from frontend import openai_responses as oresp
-from frontend.metrics import EngineMetrics, RequestTimer
-from frontend.openai_protocol import (
+from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, FinishReason, SamplingParams
+from coreproc.text import openai_responses as oresp
+from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
     to_sampling_params,
 )
-from frontend.output_processor import OutputProcessor, SequenceDelta
-from frontend.render import Prompt, response_body
+from coreproc.text.output_processor import OutputProcessor, SequenceDelta
+from coreproc.text.render import Prompt, response_body
+from frontend.metrics import EngineMetrics, RequestTimer
 
 _json = msgspec.json.Encoder()
 log = logging.getLogger("ember.server")
@@ -149,8 +149,10 @@ class Generation:
         await asyncio.shield(self.admitted)
         if not self._registered:
             self._registered = True
+            first_choice = 0
             for rid, text, ids, ers in self._built:
-                self.processor.register(rid, text, ids, ers)
+                self.processor.register(rid, text, ids, ers, first_choice)
+                first_choice += len(ers)
 
     async def deltas(self) -> AsyncIterator[SequenceDelta]:
         """Sequence deltas as they come; ends when every sequence has finished."""
@@ -175,7 +177,7 @@ class Generation:
     def results(self) -> list:
         return [self.processor.pop_finished(rid) for rid in self.rids]
 
-    async def close(self, finish_reason: str) -> None:
+    async def close(self, finish_reason: FinishReason) -> None:
         """Cancel what still runs (aborting it in the engine) and record the request's metrics.
 
         Everything but the final wait is synchronous: under a cancelled scope (a client that hung up)
@@ -250,7 +252,7 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{gen.hexid}"
     head = (rid, ctx.model_name, gen.created)
     sent_text: dict[int, int] = {}  # choice index -> characters sent (completion text offsets)
-    reason = "abort"
+    reason: FinishReason = "abort"
     try:
         if chat:
             n = gen.params[0].n
@@ -276,10 +278,10 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
                 lp = None
                 if req.logprobs and d.logprobs is not None:
                     lp = oresp.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0)
-                choice = oresp.chat_delta(d.index, content=d.text, logprobs=lp, finish_reason=finish)
+                choice = oresp.chat_delta(d.choice_index, content=d.text, logprobs=lp, finish_reason=finish)
                 yield _sse(oresp.chat_chunk(*head, [choice]))
                 continue
-            index = int(d.request_id.rsplit("-", 1)[1]) * req.n + d.index
+            index = d.choice_index
             lp = None
             if req.logprobs is not None and d.logprobs is not None:
                 lp = oresp.completion_logprobs(

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import msgspec
 
+from coreproc.errors import EmberError
 from frontend.canary import CANARY_PROMPT, canary_request, canary_result
 from frontend.snapshot_manifest import (
     Canary,
@@ -225,7 +226,7 @@ def check_port_free(host: str, port: int) -> int:
 
     try:
         sock = bind(host, port)
-    except ValueError as e:
+    except EmberError as e:
         raise SnapshotError(f"cannot restore: {e}") from None
     with sock:
         return sock.getsockname()[1]

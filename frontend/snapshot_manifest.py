@@ -23,13 +23,15 @@ from pathlib import Path
 
 import msgspec
 
+from coreproc.errors import EmberError
+
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 ENV_PREFIXES = ("EMBER_", "OMP_", "MKL_", "KMP_", "TORCH", "CUDA_", "NCCL_", "TRITON_", "HF_", "XDG_")
 ENV_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "VIRTUAL_ENV", "TZ", "LANG")
 
 
-class SnapshotError(RuntimeError):
+class SnapshotError(EmberError):
     """A snapshot cannot be created, restored or read; the message says why."""
 
 

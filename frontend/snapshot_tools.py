@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coreproc.errors import EmberError
 from frontend.snapshot_manifest import SnapshotError, criu_version, version_at_least
 
 if TYPE_CHECKING:
@@ -143,12 +144,12 @@ def kill_tree(proc: subprocess.Popen) -> None:
 
 
 def serve_parser() -> argparse.ArgumentParser:
+    from coreproc.config import add_engine_arguments
     from frontend import serve
-    from frontend.cli import add_engine_args
 
     p = argparse.ArgumentParser(prog="ember serve", add_help=False, exit_on_error=False, allow_abbrev=False)
     serve.add_arguments(p)
-    add_engine_args(p)
+    add_engine_arguments(p)
     return p
 
 
@@ -165,8 +166,7 @@ def parse_serve_args(argv: list[str]) -> argparse.Namespace:
 def preflight(args: argparse.Namespace, tools: SnapshotTools) -> tuple[list[str], EngineConfig | None]:
     """Every reason this engine cannot be snapshotted here (empty: it can), and its config (None when
     the arguments do not make one)."""
-    from coreproc.config import EngineConfig
-    from frontend.cli import engine_kwargs
+    from coreproc.config import EngineConfig, engine_options
 
     reasons = []
     if platform.system() != "Linux" or platform.machine() != "x86_64":
@@ -188,8 +188,8 @@ def preflight(args: argparse.Namespace, tools: SnapshotTools) -> tuple[list[str]
     if args.speculative_config:
         reasons.append("--speculative-config: speculative decoding is not snapshotted in this version")
     try:
-        config = EngineConfig.create(**engine_kwargs(args))
-    except (ValueError, FileNotFoundError) as e:
+        config = EngineConfig.create(**engine_options(args))
+    except EmberError as e:
         return [*reasons, str(e)], None
     if config.device.resolved_type != "cpu":
         reasons.append(

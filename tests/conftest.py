@@ -2,7 +2,7 @@
 
 Run everything with `pytest -q`; tiers are markers (`-m unit`, `-m model`, `-m e2e`, `-m gpu`).
 Without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1, set before any kernel
-module is imported). Checkpoints are made locally with `tools.make_model` (no hub, no downloads).
+module is imported). Checkpoints are made locally with `frontend.make_model` (no hub, no downloads).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def make_ckpt(ckpt_root: Path):
     """Build (once per session) a checkpoint for given make-model arguments; returns its folder."""
-    from tools.make_model import build_checkpoint
+    from frontend.make_model import build_checkpoint
 
     built: dict[tuple, Path] = {}
 

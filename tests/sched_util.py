@@ -50,6 +50,7 @@ def make_config(**kw) -> EngineConfig:
         max_num_seqs=kw.pop("max_num_seqs", 8),
         max_num_batched_tokens=kw.pop("budget", 32),
         policy=kw.pop("policy", "fcfs"),
+        long_prefill_token_threshold=kw.pop("long_prefill_token_threshold", 0),
         **kw,
     )
     spec = None

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from coreproc import LLM, SamplingParams
-from frontend.chat import render_chat
+from coreproc.text.chat import render_chat
 from frontend.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -364,5 +364,5 @@ def test_offline_api_respects_queue_limits(ckpt, llm):
         ckpt, dtype="float32", show_progress=False, max_num_queued_requests=1, max_num_active_seqs=2
     ) as tight:
         got = [o.outputs[0].text for o in tight.generate(prompts, greedy, use_tqdm=False)]
-        assert tight.stats()["num_blocks_in_use"] == 0
+        assert tight.stats().num_blocks_in_use == 0
     assert got == [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]

@@ -1,4 +1,4 @@
-"""`ember bench latency` (tools/bench_latency.py): the bandwidth microbenchmark, the figures' math, and
+"""`ember bench latency` (frontend/bench/latency.py): the bandwidth microbenchmark, the figures' math, and
 one real run of `run()` through the in-process engine on a tiny checkpoint, checked via --result-json.
 
 Run: `pytest -q tests/test_bench_latency.py`.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from coreproc.config import ConfigError, EngineConfig
-from tools import bench_latency
-from tools.bench_latency import Iteration, measure_bandwidth, percentile, summarize
+from frontend.bench import latency as bench_latency
+from frontend.bench.latency import Iteration, measure_bandwidth, percentile, summarize
 
 
 def parse(*argv: str) -> argparse.Namespace:

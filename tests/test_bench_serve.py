@@ -1,4 +1,4 @@
-"""`ember bench serve` (tools/bench_serve.py): metric math on synthetic timings, then real runs.
+"""`ember bench serve` (frontend/bench/serve.py): metric math on synthetic timings, then real runs.
 
 The unit tests feed hand-made `RequestRecord`s to `compute_metrics` and check TPOT, percentiles (against
 numpy), goodput and peak concurrency. The e2e tests start one real `ember serve` on the bundled model
@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from frontend.bench import serve as bench_serve
+from frontend.bench.serve import BenchServeConfig, RequestRecord, compute_metrics, make_requests
+from frontend.bench.serve_report import LATENCY_METRICS, parse_counters
 from tests.server_util import start_server, stop_server
-from tools import bench_serve
-from tools.bench_serve import BenchServeConfig, RequestRecord, compute_metrics, make_requests
-from tools.bench_serve_report import LATENCY_METRICS, parse_counters
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "tools" / "default_model"
+BUNDLED_MODEL = Path(__file__).resolve().parents[1] / "coreproc" / "assets" / "default_model"
 VOCAB = 8192  # the bundled model's vocabulary
 NUM_PROMPTS, OUTPUT_LEN = 12, 8
 

@@ -1,6 +1,6 @@
 """`tools/compare_peers.py`: one real run on the bundled model (Ember and transformers for real, vLLM and
 llama.cpp reported as not installed, nothing downloaded), and the parser of llama-batched-bench's table
-on output captured from a real build (llama.cpp of llama-cpp-python 0.3.36, tools/default_model, bf16).
+on output captured from a real build (llama.cpp of llama-cpp-python 0.3.36, the bundled model, bf16).
 
 Run: `pytest -q tests/test_compare_peers.py`.
 """
@@ -50,7 +50,7 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 def test_compare_peers_ember_and_transformers(tmp_path: Path) -> None:
     result_json = tmp_path / "result.json"
     cmd = [
-        sys.executable, "-m", "tools.compare_peers", "--model", "tools/default_model",
+        sys.executable, "-m", "tools.compare_peers", "--model", "coreproc/assets/default_model",
         "--peers", "ember,transformers,vllm,llamacpp", "--no-install", "--work-dir", str(tmp_path / "work"),
         "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--result-json", str(result_json),
     ]  # fmt: skip

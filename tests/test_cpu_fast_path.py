@@ -16,9 +16,10 @@ import torch
 from hf_ref import PROMPT_TEXTS, check_outputs_equal, hf_greedy
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import default_model_dir
+from coreproc.host import default_model_dir
 from kernels.native import load_native
 from workers.models import fused_decode
+from workers.models.ops import NativeCpuOps
 
 pytestmark = pytest.mark.model
 
@@ -62,7 +63,7 @@ def native_run() -> tuple[list[list[int]], list[list[int]], list[list[float]], o
         worker = llm.engine.executor.worker
         prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS]
         toks, lps = run(llm, prompts)
-        return prompts, toks, lps, (worker.linear_kernel, worker.backend.name, worker.runner.model)
+        return prompts, toks, lps, (worker.linear_kernel, worker.backend.name, worker.runner)
 
 
 def agreed(ours: list[list[int]], ref: list[list[int]]) -> list[int]:
@@ -74,11 +75,11 @@ def test_bf16_native_engine_tracks_hf(native_run) -> None:
     """bf16 greedy runs part ways with float32 ones after a while, Hugging Face's own included, so the
     bar is: Ember bf16 follows HF float32 at least as far as HF bf16 does, and its logprobs along the
     shared prefix are within bf16 noise of HF float32's."""
-    prompts, toks, lps, (kernel, backend, model) = native_run
+    prompts, toks, lps, (kernel, backend, runner) = native_run
     assert (kernel, backend) == ("cpu_bf16", "cpu")
-    assert model.model.layers[0].mlp.down_proj.weight.dim() == 3, "linear weights must be packed"
-    assert model.model.norm.native
-    assert model.fused is not None, "decode steps must take the one-call decoder layers"
+    assert runner.model.model.layers[0].mlp.down_proj.weight.dim() == 3, "linear weights must be packed"
+    assert isinstance(runner.model.model.norm.ops, NativeCpuOps)
+    assert isinstance(runner.forward, fused_decode.FusedDecode), "decode steps must take the one-call layers"
     ref32 = [hf_greedy(str(default_model_dir()), p, MAX_NEW) for p in prompts]
     ref16 = [hf_greedy(str(default_model_dir()), p, MAX_NEW, torch.bfloat16) for p in prompts]
     ours = agreed(toks, [r[0] for r in ref32])
@@ -94,7 +95,7 @@ def test_bf16_native_matches_torch_ops(native_run, monkeypatch: pytest.MonkeyPat
     with bf16_engine() as llm:
         worker = llm.engine.executor.worker
         assert (worker.linear_kernel, worker.backend.name) == ("torch", "torch")
-        assert worker.runner.model.fused is None
+        assert worker.runner.forward is worker.runner.model, "no one-call layers on the torch ops"
         ref_toks, ref_lps = run(llm, prompts)
     check_outputs_equal(toks, ref_toks)
     assert_logprobs_close(lps, ref_lps)
@@ -171,11 +172,11 @@ def test_fused_decoder_layers_equal_the_module_path(
     prompts = [[1, *range(40, 40 + n)] for n in (fused_decode.MAX_QUERY, 23, 31)]
     args = {"dtype": "bfloat16", "quantization": quantization, "enable_prefix_caching": False}
     with LLM(str(model_dir), show_progress=False, **args) as llm:
-        model = llm.engine.executor.worker.runner.model
-        assert (model.fused is not None) == fused
+        runner = llm.engine.executor.worker.runner
+        assert isinstance(runner.forward, fused_decode.FusedDecode) == fused
         first = run(llm, prompts)
         assert len(calls) == (MAX_NEW - 1 if fused else 0)  # one per decode step
-        model.fused = None
+        runner.forward = runner.model  # the module path, on the same native ops
         second = run(llm, prompts)
     assert len(calls) == (MAX_NEW - 1 if fused else 0) and first == second
 
@@ -197,7 +198,7 @@ def test_speculative_verification_rows_equal_plain_decode(monkeypatch: pytest.Mo
         speculative = run(llm, prompts)
         stats = llm.engine.stats()
     assert any(n > len(prompts) for n in sizes), "no verification step took the one-call layers"
-    assert stats["spec_num_accepted"] > 0
+    assert stats.spec_num_accepted > 0
     assert speculative == plain
 
 
@@ -211,10 +212,10 @@ def test_short_prompts_prefill_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
     args = {"dtype": "bfloat16", "enable_prefix_caching": False, "show_progress": False}
     with LLM(str(default_model_dir()), **args) as llm:
-        model = llm.engine.executor.worker.runner.model
+        runner = llm.engine.executor.worker.runner
         fused = llm.generate(prompts, params, use_tqdm=False)
         assert sizes == [sum(map(len, prompts))]
-        model.fused = None
+        runner.forward = runner.model  # the module path, on the same native ops
         module = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(fused, module, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

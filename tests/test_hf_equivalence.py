@@ -46,9 +46,9 @@ def test_greedy_matches_hf(tiny_ckpt, setup):
     assert len({len(p) for p in prompts}) >= 8, "prompts must have different lengths"
     run_and_compare(tiny_ckpt, llm, prompts)
     stats = llm.stats()
-    assert stats["num_blocks_in_use"] == 0 or stats["num_blocks_in_use"] == 0
+    assert stats.num_blocks_in_use == 0 or stats.num_blocks_in_use == 0
     if setup == "preempting":
-        assert stats["num_preemptions"] > 0, "the tiny KV cache should force preemption"
+        assert stats.num_preemptions > 0, "the tiny KV cache should force preemption"
 
 
 def test_triton_backend_matches_hf(make_ckpt):

@@ -112,7 +112,7 @@ def test_kv_cache_too_small_for_max_model_len(make_ckpt):
 
 
 def test_bf16_checkpoint_dtype_auto_and_explicit(make_ckpt):
-    from coreproc.config import cpu_has_fast_half
+    from coreproc.host import cpu_has_fast_half
 
     path = make_ckpt("qwen2", dtype="bfloat16")
     auto = LLM(str(path), show_progress=False)
@@ -221,3 +221,29 @@ def test_other_configs_go_through_transformers(make_ckpt):
 
     for arch in ("qwen2", "mistral"):
         assert hasattr(read_hf_config(str(make_ckpt(arch))), "to_dict"), arch
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("command", ["generate", "core"])
+def test_a_checkpoint_that_does_not_fit_is_one_line_in_process_or_from_the_worker(
+    make_ckpt, tmp_path, command
+):
+    """WeightLoadError is an EmberError: one line and exit 2, whether the loader runs in the CLI's
+    process (`generate`) or in a worker behind the core process (`core` with two ranks)."""
+    dst = tmp_path / "wrong"
+    shutil.copytree(make_ckpt("llama"), dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["intermediate_size"] += 8  # the weights no longer fit the model the config describes
+    (dst / "config.json").write_text(json.dumps(cfg))
+    argv = (
+        ["generate", "--model", str(dst), "hi"] if command == "generate" else ["core", str(dst), "-tp", "2"]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", *argv, "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ember {command}: error:") and "mlp" in last and "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""Tests for the checkpoint tools: tools/make_model.py, tools/tokenizer_train.py, tools/default_model/.
+"""Tests for the checkpoint tools: frontend/make_model.py, frontend/tokenizer_train.py, the bundled model.
 
 Builds tiny checkpoints of every architecture into temporary folders, reloads them offline with
 transformers, and checks determinism, sharding, the chat template, argument validation and the
@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tools.make_model import ARCHS, build_checkpoint, main
-from tools.tokenizer_train import train_tokenizer
+from frontend.make_model import ARCHS, build_checkpoint, main
+from frontend.tokenizer_train import train_tokenizer
 
 pytestmark = pytest.mark.unit
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "tools" / "default_model"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "coreproc" / "assets" / "default_model"
 REQUIRED = (
     "config.json",
     "model.safetensors",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from frontend.metrics import EngineMetrics
+from coreproc.protocol import SchedulerStats
+from frontend.metrics import _ENGINE_COUNTERS, _ENGINE_GAUGES, EngineMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -153,19 +154,23 @@ def test_unknown_finish_reason_is_refused(metrics: EngineMetrics) -> None:
 
 
 def test_gauges_follow_update_engine(metrics: EngineMetrics) -> None:
-    metrics.update_engine({"num_running": 3, "num_waiting": 5, "kv_usage": 0.25, "num_steps": 9})
+    metrics.update_engine(SchedulerStats(num_running=3, num_waiting=5, kv_usage=0.25, num_steps=9))
     s = samples(metrics)
     assert s[("ember_num_requests_running", ())] == 3
     assert s[("ember_num_requests_waiting", ())] == 5
     assert s[("ember_kv_cache_usage_ratio", ())] == 0.25
-    metrics.update_engine({"num_running": 0, "num_waiting": 1, "kv_usage": 0.0})
+    metrics.update_engine(SchedulerStats(num_running=0, num_waiting=1, kv_usage=0.0))
     s = samples(metrics)
     assert s[("ember_num_requests_running", ())] == 0
     assert s[("ember_num_requests_waiting", ())] == 1
     assert s[("ember_kv_cache_usage_ratio", ())] == 0.0
-    metrics.update_engine({"num_waiting": 4})  # a missing key leaves its gauge alone
+    metrics.update_engine(SchedulerStats(num_waiting=4))  # fields not given are an idle engine's
     assert samples(metrics)[("ember_num_requests_waiting", ())] == 4
-    assert samples(metrics)[("ember_kv_cache_usage_ratio", ())] == 0.0
+    assert samples(metrics)[("ember_num_requests_running", ())] == 0
+
+
+def test_mirrored_stats_are_scheduler_stats_fields() -> None:
+    assert set(_ENGINE_GAUGES) | set(_ENGINE_COUNTERS) <= set(SchedulerStats.__struct_fields__)
 
 
 def test_cumulative_engine_counters_are_mirrored(metrics: EngineMetrics) -> None:
@@ -179,14 +184,14 @@ def test_cumulative_engine_counters_are_mirrored(metrics: EngineMetrics) -> None
         s = samples(metrics)
         return {key: s[(name, ())] for key, name in names.items()}
 
-    metrics.update_engine({"num_preemptions": 2, "prefix_cache_queries": 100, "prefix_cache_hits": 40})
+    metrics.update_engine(SchedulerStats(num_preemptions=2, prefix_cache_queries=100, prefix_cache_hits=40))
     assert mirrored() == {"num_preemptions": 2, "prefix_cache_queries": 100, "prefix_cache_hits": 40}
-    metrics.update_engine({"num_preemptions": 2, "prefix_cache_queries": 164, "prefix_cache_hits": 72})
+    metrics.update_engine(SchedulerStats(num_preemptions=2, prefix_cache_queries=164, prefix_cache_hits=72))
     assert mirrored() == {"num_preemptions": 2, "prefix_cache_queries": 164, "prefix_cache_hits": 72}
     # The engine restarted: its counters start again from zero; the exported ones keep growing.
-    metrics.update_engine({"num_preemptions": 1, "prefix_cache_queries": 10, "prefix_cache_hits": 0})
+    metrics.update_engine(SchedulerStats(num_preemptions=1, prefix_cache_queries=10, prefix_cache_hits=0))
     assert mirrored() == {"num_preemptions": 3, "prefix_cache_queries": 174, "prefix_cache_hits": 72}
-    metrics.update_engine({"num_preemptions": 4, "prefix_cache_queries": 30, "prefix_cache_hits": 8})
+    metrics.update_engine(SchedulerStats(num_preemptions=4, prefix_cache_queries=30, prefix_cache_hits=8))
     assert mirrored() == {"num_preemptions": 6, "prefix_cache_queries": 194, "prefix_cache_hits": 80}
 
 
@@ -198,7 +203,7 @@ def test_instances_do_not_share_state(clock: FakeClock) -> None:
     timer.tokens(1)
     timer.finish("stop", 4, 1)
     a.request_rejected(401)
-    a.update_engine({"num_running": 2, "num_preemptions": 5})
+    a.update_engine(SchedulerStats(num_running=2, num_preemptions=5))
 
     sb = samples(b)
     assert sb[("ember_requests_total", (("finished_reason", "stop"),))] == 0

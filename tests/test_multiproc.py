@@ -21,7 +21,8 @@ from hf_ref import PROMPT_TEXTS
 from coreproc import LLM, SamplingParams
 from coreproc.client import AsyncEngineClient, EngineClient, EngineDeadError, EngineRequestError
 from coreproc.config import EngineConfig
-from coreproc.launcher import CoreProcess, EngineStartError
+from coreproc.protocol import SchedulerStats, UtilityCall
+from coreproc.startup.launcher import CoreProcess, EngineRefused
 
 pytestmark = pytest.mark.e2e
 
@@ -66,7 +67,7 @@ def llama(make_ckpt) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(llama) -> list[list[int]]:
-    from frontend.tokenizer import load_tokenizer
+    from coreproc.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(llama))
     return [tok(t).input_ids for t in PROMPT_TEXTS]
@@ -85,7 +86,28 @@ def test_process_names_and_info(core):
     with EngineClient(core.address) as client:
         info = client.info()
         assert info.tensor_parallel_size == 1 and info.max_model_len > 0 and info.eos_token_ids
-        assert client.stats()["num_kv_blocks"] == info.num_kv_blocks
+        stats = client.stats()
+        assert isinstance(stats, SchedulerStats) and stats.num_kv_blocks == info.num_kv_blocks
+        assert not stats.has_work and stats.stalled is None
+
+
+def test_unknown_utility_method_is_refused(core):
+    async def run() -> None:
+        client = await AsyncEngineClient.connect(core.address)
+        try:
+            with pytest.raises(ValueError, match="unknown utility method 'shutdown'"):
+                await client.call("shutdown")  # type: ignore[arg-type]
+            assert await client.call("ping") is True
+            # a client that skips the SDK's check gets an answer from the core, not silence
+            answer = asyncio.get_running_loop().create_future()
+            client.calls[999] = answer
+            await client._send(UtilityCall(999, "shutdown"))  # type: ignore[arg-type]
+            with pytest.raises(EngineRequestError, match="unknown utility method 'shutdown'; the core"):
+                await asyncio.wait_for(answer, 10)
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
 
 
 def test_sdk_streaming_equals_offline(core, llama, prompts):
@@ -116,21 +138,21 @@ def test_abort_and_disconnect_free_blocks(core, prompts):
     with EngineClient(core.address) as client:
         stream = client.generate(prompts[2], LONG)
         next(stream)
-        assert client.stats()["num_blocks_in_use"] > 0
+        assert client.stats().num_blocks_in_use > 0
         stream.close()  # leaving the stream aborts the request
         deadline = time.monotonic() + 5
-        while client.stats()["num_blocks_in_use"] and time.monotonic() < deadline:
+        while client.stats().num_blocks_in_use and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert client.stats()["num_blocks_in_use"] == 0
+        assert client.stats().num_blocks_in_use == 0
     # a client that disconnects without aborting: its requests are dropped when it is gone
     with EngineClient(core.address) as client:
         stream = client.generate(prompts[3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         next(stream)
     with EngineClient(core.address) as client:
         deadline = time.monotonic() + 10
-        while client.stats()["num_blocks_in_use"] and time.monotonic() < deadline:
+        while client.stats().num_blocks_in_use and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.stats()["num_blocks_in_use"] == 0
+        assert client.stats().num_blocks_in_use == 0
 
 
 def test_crashed_client_requests_are_aborted(llama, prompts):
@@ -148,14 +170,14 @@ def test_crashed_client_requests_are_aborted(llama, prompts):
         )
         assert child.stdout.readline().strip() == "streaming"
         with EngineClient(proc.address) as watcher:
-            assert watcher.stats()["num_running"] == 1
+            assert watcher.stats().num_running == 1
             child.kill()
             child.wait()
             deadline = time.monotonic() + 15
-            while watcher.stats()["num_blocks_in_use"] and time.monotonic() < deadline:
+            while watcher.stats().num_blocks_in_use and time.monotonic() < deadline:
                 time.sleep(0.1)
             stats = watcher.stats()
-            assert stats["num_blocks_in_use"] == 0 and stats["num_running"] == 0
+            assert stats.num_blocks_in_use == 0 and stats.num_running == 0
 
 
 def test_bad_request_is_refused_with_a_reason(core):
@@ -164,7 +186,7 @@ def test_bad_request_is_refused_with_a_reason(core):
             list(client.generate([], GREEDY))
         with pytest.raises(EngineRequestError, match="temperature"):
             list(client.generate([5, 6], SamplingParams(temperature=-1.0)))
-        assert client.stats()["num_running"] == 0
+        assert client.stats().num_running == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
@@ -264,7 +286,7 @@ def test_curve_keys_required_off_loopback_and_enforced(llama, prompts, tmp_path)
     )
     assert out.returncode == 0, out.stderr
     config = EngineConfig.create(str(llama), dtype="float32")
-    with pytest.raises(EngineStartError, match="curve-keys"):
+    with pytest.raises(EngineRefused, match="curve-keys"):
         CoreProcess(config, listen="tcp://0.0.0.0:0")
     with CoreProcess(config, listen="tcp://127.0.0.1:0", curve_keys=keys) as proc:
         assert proc.address.startswith("tcp://127.0.0.1:")
@@ -287,7 +309,7 @@ def test_curve_keys_required_off_loopback_and_enforced(llama, prompts, tmp_path)
             tokens = [t for o in ok.generate(prompts[0], GREEDY) for t in o.new_token_ids]
             assert len(tokens) == 12
             stats = ok.stats()
-            assert stats["num_steps"] > 0 and stats["worker_busy_seconds"] > 0  # timed in the worker
+            assert stats.num_steps > 0 and stats.worker_busy_seconds > 0  # timed in the worker
 
 
 def test_ember_core_cli_serves_and_stops_on_sigterm(llama, prompts):
@@ -329,7 +351,7 @@ def test_boot_pauses_collection_and_freezes_the_heap() -> None:
     alive and turns collection on."""
     import gc
 
-    from coreproc import boot
+    from coreproc.startup import boot
 
     assert gc.isenabled()
     frozen = gc.get_freeze_count()
@@ -350,8 +372,10 @@ def test_boot_pauses_collection_and_freezes_the_heap() -> None:
 
 
 def test_boot_rejects_an_unknown_role() -> None:
-    proc = subprocess.run([sys.executable, "-m", "coreproc.boot", "nope"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "usage: python -m coreproc.boot core|worker" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "coreproc.startup.boot", "nope"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "usage: python -m coreproc.startup.boot core|worker" in proc.stderr
 
 
 def test_a_dropped_in_process_engine_is_collected() -> None:

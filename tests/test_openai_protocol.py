@@ -11,8 +11,8 @@ import math
 import pytest
 
 from coreproc.outputs import CompletionOutput, Logprob, RequestOutput
-from frontend.chat import TEXT_ONLY, render_chat
-from frontend.openai_protocol import (
+from coreproc.text.chat import TEXT_ONLY, render_chat
+from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     RequestError,
     parse_chat_request,
@@ -20,7 +20,7 @@ from frontend.openai_protocol import (
     prompt_inputs,
     to_sampling_params,
 )
-from frontend.openai_responses import (
+from coreproc.text.openai_responses import (
     chat_choice,
     chat_chunk,
     chat_completion_response,
@@ -300,7 +300,7 @@ def test_stream_chunks():
 
 @pytest.fixture(scope="module")
 def tokenizer(make_ckpt):
-    from frontend.tokenizer import load_tokenizer
+    from coreproc.text.tokenizer import load_tokenizer
 
     return load_tokenizer(str(make_ckpt("llama")))
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from frontend.openai_protocol import (
+from coreproc.text.openai_protocol import (
     DetokenizeRequest,
     RequestError,
     TokenizeRequest,

@@ -196,11 +196,11 @@ def test_watchdog_reports_a_stall_once_with_the_scheduler_state(caplog):
     engine = EngineCore(make_config(stall_timeout=5.0), StuckExecutor())
     engine.last_step_end -= 1000  # an engine idle for a long time is not stalled when work arrives
     engine.add_request(request("a"))
-    assert engine.check_stall() is None and engine.stats()["stalled"] is None
+    assert engine.check_stall() is None and engine.stats().stalled is None
     engine.last_step_end -= 10
     with caplog.at_level(logging.ERROR, logger="ember.core"):
         for _ in range(3):
-            reason = engine.stats()["stalled"]
+            reason = engine.stats().stalled
     assert "has not completed a step for 10s" in reason
     (record,) = [r for r in caplog.records if "scheduler state" in r.getMessage()]
     assert '"num_waiting": 1' in record.getMessage() and '"free_blocks": 40' in record.getMessage()
@@ -238,13 +238,13 @@ def test_outputs_with_prefix_hits_and_evictions_equal_hf(make_ckpt):
             lps = [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
             check_logprobs_close(lps, [r[1] for r in ref])
         stats = llm.stats()
-        assert (stats["prefix_cache_hits"] > 0) == (name != "no cache"), (name, stats)
+        assert (stats.prefix_cache_hits > 0) == (name != "no cache"), (name, stats)
         if name == "cache":
             assert sum(o.num_cached_tokens for o in outs) >= 6 * 32
-            full_hits = stats["prefix_cache_hits"]
+            full_hits = stats.prefix_cache_hits
         if name == "cache under pressure":  # blocks were evicted and requests preempted
-            assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] < full_hits
-        assert stats["num_blocks_in_use"] == 0
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits < full_hits
+        assert stats.num_blocks_in_use == 0
         llm.close()
 
 

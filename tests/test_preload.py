@@ -25,7 +25,7 @@ import torch
 from coreproc import LLM, SamplingParams
 from coreproc.config import EngineConfig
 from coreproc.protocol import CacheRequest
-from coreproc.spawn import ForkedProcess
+from coreproc.startup.spawn import ForkedProcess
 from kernels import select_backend
 from workers.parallel import TPGroup
 from workers.weight_cache.client import CacheUnavailable, cache_socket, load_from_cache, request
@@ -186,6 +186,15 @@ def test_every_fingerprint_field_is_checked(model, sockdir, daemon, field, value
     wrong = msgspec.structs.replace(held.fingerprint, **{field: value})
     reply, fds = request(path, CacheRequest(kind="state", fingerprint=wrong))
     assert reply.status == "mismatch" and reply.fields == [field] and fds == []
+
+
+def test_unknown_and_incomplete_requests_are_answered(model, sockdir, daemon):
+    config = EngineConfig.create(model, dtype="float32", socket_dir=str(sockdir))
+    path = cache_socket(config, torch.device("cpu"), 0)
+    reply, _ = request(path, CacheRequest(kind="evict"))  # type: ignore[arg-type]
+    assert reply.status == "error" and "evict" in reply.message
+    reply, _ = request(path, CacheRequest(kind="state"))
+    assert reply.status == "error" and "fingerprint" in reply.message
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,7 @@ def all_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> 
 @pytest.fixture(scope="module")
 def reference_runs(make_ckpt):
     """Per arch: the unquantized model and greedy continuations of the prompt set (prompt len, ids)."""
-    from frontend.tokenizer import load_tokenizer
+    from coreproc.text.tokenizer import load_tokenizer
 
     runs = {}
     for arch in ("llama", "qwen2", "qwen3", "mistral"):
@@ -134,8 +134,8 @@ def test_end_to_end_agreement(reference_runs, method, arch):
 @pytest.mark.parametrize("method", METHODS)
 def test_default_model_agreement(method):
     """The bundled trained model has peaked distributions: agreement must be high for every method."""
-    from coreproc.config import default_model_dir
-    from frontend.tokenizer import load_tokenizer
+    from coreproc.host import default_model_dir
+    from coreproc.text.tokenizer import load_tokenizer
 
     path = str(default_model_dir())
     ref, quant = load(path, None), load(path, method)

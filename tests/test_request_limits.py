@@ -18,13 +18,13 @@ import httpx
 import pytest
 
 from coreproc.client import EngineClient, EngineRequestError
-from coreproc.config import ConfigError, EngineConfig
-from coreproc.launcher import CoreProcess
+from coreproc.config import ConfigError, EngineConfig, engine_options
 from coreproc.limits import RequestLimits
 from coreproc.protocol import EngineRequest, InvalidParam, SamplingParams
 from coreproc.scheduler import Scheduler
-from frontend.cli import build_parser, engine_kwargs, main
-from frontend.openai_protocol import RequestError, parse_chat_request, parse_completion_request
+from coreproc.startup.launcher import CoreProcess
+from coreproc.text.openai_protocol import RequestError, parse_chat_request, parse_completion_request
+from frontend.cli import build_parser, main
 from tests.server_util import metric, start_server, stop_server, wait_idle
 
 SMALL = RequestLimits(
@@ -117,7 +117,7 @@ def test_malformed_bodies_are_400s_not_crashes():
 def test_flags_reach_the_config_and_defaults_follow_the_engine(make_ckpt):
     ckpt = str(make_ckpt("llama"))
     args = build_parser("serve").parse_args(["serve", ckpt, "--max-n", "7", "--max-num-seqs", "48"])
-    config = EngineConfig.create(**engine_kwargs(args))
+    config = EngineConfig.create(**engine_options(args))
     assert config.limits.max_n == 7 and config.limits.max_prompts_per_request == 256
     assert config.limits.max_seqs_per_request == 48, "defaults to --max-num-seqs"
     assert config.limits.max_allowed_token_ids == config.model.vocab_size
@@ -285,4 +285,4 @@ def test_the_sdk_socket_has_the_same_bounds(llama):
         outs = list(client.generate_many(too_many[:3]))
         assert {o.request_id for o in outs if o.finished} == {"r0", "r1", "r2"}
         stats = client.stats()
-        assert stats["num_running"] == stats["num_waiting"] == stats["num_blocks_in_use"] == 0
+        assert stats.num_running == stats.num_waiting == stats.num_blocks_in_use == 0

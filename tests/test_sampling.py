@@ -59,7 +59,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llama, llm):
     outs = tight.generate(
         PROMPT_TEXTS[1:3] + [PROMPT_TEXTS[0]] + PROMPT_TEXTS[3:6], others[:2] + [seeded] + others[2:]
     )
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().num_preemptions > 0
     assert outs[2].outputs[0].token_ids == alone
     other_seed = SamplingParams(
         temperature=1.0, top_p=0.9, top_k=100, seed=99, max_tokens=20, ignore_eos=True
@@ -188,7 +188,7 @@ def test_stop_strings_truncate_and_free_blocks(llm):
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == (text[: at + len(stop)] if include else text[:at])
         assert len(out.token_ids) < 30
-    assert llm.stats()["num_blocks_in_use"] == 0
+    assert llm.stats().num_blocks_in_use == 0
 
 
 def test_streamed_deltas_add_up_to_the_result(llm):

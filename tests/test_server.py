@@ -136,6 +136,15 @@ def test_logprobs_n_and_stop(client, offline):
     assert cut.choices[0].finish_reason == "stop"
     batch = client.completions.create(model="llama", prompt=PROMPT_TEXTS[:2], max_tokens=4, temperature=0)
     assert sorted(c.index for c in batch.choices) == [0, 1]
+    # streamed, 2 prompts x n=2: prompt k's sequence i is choice k * n + i
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model="llama", prompt=PROMPT_TEXTS[:2], n=2, max_tokens=4, temperature=0, stream=True
+    ):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    by_prompt = {c.index: c.text for c in batch.choices}
+    assert texts == {0: by_prompt[0], 1: by_prompt[0], 2: by_prompt[1], 3: by_prompt[1]}
     ids = client.completions.create(model="llama", prompt=[[1, 40, 41], [1, 50]], max_tokens=4, temperature=0)
     assert sorted(c.index for c in ids.choices) == [0, 1] and ids.usage.prompt_tokens == 5
 

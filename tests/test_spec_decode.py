@@ -73,7 +73,7 @@ def test_scheduler_verifies_proposals_and_rolls_back_rejected_ones():
     lps = [[TokenLogprobs([t], [0.0], 1) for t in (6, 3, 9)]]
     (o,) = sched.update_from_output(out, RunnerOutput(["a"], [[6, 3, 9]], lps))
     assert o.new_token_ids == [6, 3, 9] and req.num_computed_tokens == req.num_tokens - 1 == 13
-    assert sched.stats()["spec_num_accepted"] == 2 and sched.stats()["spec_num_proposed"] == 3
+    assert sched.stats().spec_num_accepted == 2 and sched.stats().spec_num_proposed == 3
     rng = random.Random(0)
     while sched.has_unfinished_requests():  # proposals never run past max_tokens
         out = sched.schedule()
@@ -115,11 +115,11 @@ def test_greedy_and_seeded_outputs_equal_no_speculation(llama, batch, setup):
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tid, lp in pa.items():
                 assert abs(lp.logprob - pb[tid].logprob) < 1e-4
-    assert stats["spec_num_proposed"] > 0 and stats["spec_num_accepted"] > 0
-    assert stats["num_blocks_in_use"] == 0
+    assert stats.spec_num_proposed > 0 and stats.spec_num_accepted > 0
+    assert stats.num_blocks_in_use == 0
 
 
-BUNDLED = Path(__file__).resolve().parents[1] / "tools"
+BUNDLED = Path(__file__).resolve().parents[1] / "coreproc" / "assets"
 DRAFT = json.dumps(
     {"method": "draft_model", "model": str(BUNDLED / "default_draft"), "num_speculative_tokens": 3}
 )
@@ -145,7 +145,7 @@ def test_draft_model_outputs_equal_no_speculation(setup):
             runs[spec] = ([o.outputs[0].token_ids for o in greedy], [o.outputs[0].token_ids for o in seeded])
             stats = llm.stats()
     assert runs[DRAFT] == runs[None]
-    assert stats["spec_acceptance_rate"] > 0.2 and stats["num_blocks_in_use"] == 0
+    assert stats.spec_acceptance_rate > 0.2 and stats.num_blocks_in_use == 0
 
 
 @pytest.mark.model
@@ -200,7 +200,7 @@ def test_unseeded_sampling_keeps_the_target_distribution(llama):
             outs = llm.generate([prompt] * 600, params, use_tqdm=False)
             counts[spec] = [Counter(o.outputs[0].token_ids[pos] for o in outs) for pos in range(6)]
             if spec:
-                assert llm.stats()["spec_num_accepted"] > 100
+                assert llm.stats().spec_num_accepted > 100
     for pos in range(1, 6):
         a, b = counts[None][pos], counts[NGRAM][pos]
         chi2 = 0.0

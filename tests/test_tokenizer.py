@@ -1,4 +1,4 @@
-"""frontend/tokenizer.py against transformers' AutoTokenizer, the reference it must match.
+"""coreproc/text/tokenizer.py against transformers' AutoTokenizer, the reference it must match.
 
 Checks encode/decode, special tokens, EOS ids and chat templates on the bundled default model and a
 tiny checkpoint of every architecture (qwen2 is rebuilt by transformers, the others are not), config
@@ -20,13 +20,13 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 
-from frontend.chat import render_chat
-from frontend.tokenizer import eos_token_ids, load_tokenizer
+from coreproc.text.chat import render_chat
+from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = ROOT / "tools" / "default_model"
+DEFAULT_MODEL = ROOT / "coreproc" / "assets" / "default_model"
 FOLDERS = ("default", "llama", "qwen2", "qwen3", "mistral")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -408,9 +408,9 @@ def test_tokenizer_path_never_imports_transformers():
     script = (
         "import sys, time\n"
         "t = time.perf_counter()\n"
-        "from frontend.tokenizer import eos_token_ids, load_tokenizer\n"
-        "from frontend.chat import render_chat\n"
-        "from frontend.detokenizer import IncrementalDetokenizer\n"
+        "from coreproc.text.tokenizer import eos_token_ids, load_tokenizer\n"
+        "from coreproc.text.chat import render_chat\n"
+        "from coreproc.text.detokenizer import IncrementalDetokenizer\n"
         f"tok = load_tokenizer({str(DEFAULT_MODEL)!r})\n"
         f"eos_token_ids({str(DEFAULT_MODEL)!r}, tok)\n"
         "ids = render_chat(tok, [{'role': 'user', 'content': 'hi'}])\n"

@@ -1,4 +1,4 @@
-"""The bundled draft model (tools/default_draft) and the training helpers behind it (tools/train_common).
+"""The bundled draft model (coreproc/assets/default_draft) and its training helpers (tools/train_common).
 
 Checks that the committed draft shares the target's tokenizer and special tokens and is smaller, that
 the speculative-decoding arithmetic and the acceptance measurement are right on known cases, and that
@@ -17,7 +17,7 @@ import torch
 from tools.train_common import accepted_per_round, fit, greedy_acceptance
 from tools.train_default import DRAFT_SHAPE, TOKENIZER_FILES
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOOLS = Path(__file__).resolve().parents[1] / "coreproc" / "assets"
 TARGET, DRAFT = TOOLS / "default_model", TOOLS / "default_draft"
 
 

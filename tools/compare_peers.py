@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tools.bench_throughput import make_prompts
+from frontend.bench.throughput import make_prompts
 from tools.peers import install
 from tools.peers.install import PeerError, log
 
@@ -57,7 +57,9 @@ class PeerResult:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.compare_peers", description=__doc__.split("\n")[0])
     p.add_argument(
-        "--model", default=str(REPO / "tools" / "default_model"), help="local HF checkpoint folder"
+        "--model",
+        default=str(REPO / "coreproc" / "assets" / "default_model"),
+        help="local HF checkpoint folder",
     )
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma-separated subset of {','.join(PEERS)}")
     p.add_argument("--num-prompts", type=int, default=32, help="batch size of the batch workload")
@@ -149,7 +151,7 @@ def model_info(model_dir: Path, dtype: str) -> dict:
 def write_job(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> Path:
     """The prompts and settings every runner reads: N batch prompts, one single prompt and two warm-up
     prompts, all distinct random token ids without special tokens (so no prefix cache hits)."""
-    from frontend.tokenizer import load_tokenizer
+    from coreproc.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     config = json.loads((model_dir / "config.json").read_text())

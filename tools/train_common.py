@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from tools.tokenizer_train import corpus_files, read_text
+from frontend.tokenizer_train import corpus_files, read_text
 
 CORPUS_BYTES = 64_000_000  # more than the whole filtered stdlib: take every candidate file
 VAL_EVERY = 20  # every 20th file (sorted by path) is held out

@@ -1,6 +1,6 @@
-"""Train Ember's bundled quickstart model (tools/default_model/) and its draft (tools/default_draft/).
+"""Train Ember's bundled quickstart model and its draft (coreproc/assets/default_model/, default_draft/).
 
-The target is a ~5M-parameter Llama (GQA, tied embeddings, 8192-token BPE from tools.tokenizer_train);
+The target is a ~5M-parameter Llama (GQA, tied embeddings, 8192-token BPE from frontend.tokenizer_train);
 the draft (``--draft``) is a ~1.4M-parameter Llama for speculative decoding that reuses the target's
 tokenizer files unchanged. Both are trained from scratch with plain AdamW on next-token loss over the
 stdlib's code (tools.train_common: same corpus, same validation split), saved in bfloat16 as complete
@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from tools.make_model import make_config
-from tools.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
+from frontend.make_model import make_config
+from frontend.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
 from tools.train_common import VAL_EVERY, acceptance_prompts, fit, greedy_acceptance, sample, token_streams
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "default_model"
-DRAFT_OUT = HERE / "default_draft"
+ASSETS = HERE.parent / "coreproc" / "assets"
+DEFAULT_OUT = ASSETS / "default_model"
+DRAFT_OUT = ASSETS / "default_draft"
 SHAPE = dict(vocab=8192, hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, max_pos=2048)
 DRAFT_SHAPE = dict(vocab=8192, hidden=128, layers=2, heads=2, kv_heads=1, intermediate=384, max_pos=2048)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -45,7 +46,7 @@ that Ember uses as its quickstart default. It was trained from scratch on the Py
 {sys.version_info.major}.{sys.version_info.minor} standard library sources, so it writes Python-looking
 text and knows nothing else. It is a smoke-test model, not a useful assistant.
 
-- shape: vocab {SHAPE["vocab"]} (byte-level BPE from `tools/tokenizer_train.py`), hidden
+- shape: vocab {SHAPE["vocab"]} (byte-level BPE from `frontend/tokenizer_train.py`), hidden
   {SHAPE["hidden"]}, {SHAPE["layers"]} layers, {SHAPE["heads"]} heads / {SHAPE["kv_heads"]} KV heads (GQA),
   intermediate {SHAPE["intermediate"]}, tied embeddings, max positions {SHAPE["max_pos"]}
 - data: {s["files"]} stdlib `.py` files (tests, codecs and pydoc data excluded), comments and
@@ -87,7 +88,7 @@ def write_draft_readme(out: Path, target: Path, stats: dict, greedy: str, accept
     s, d, a = stats, DRAFT_SHAPE, accept
     text = f"""# Ember default draft model
 
-The draft model for speculative decoding with Ember's bundled default model (`tools/default_model`,
+The draft model for speculative decoding with Ember's bundled default model (`coreproc/assets/default_model`,
 the target). A smaller Llama-architecture model (`LlamaForCausalLM`, {s["params"] / 1e6:.2f}M parameters,
 bfloat16, {s["size_bytes"] / 1e6:.1f} MB on disk) trained from scratch on the same Python
 {sys.version_info.major}.{sys.version_info.minor} standard library code, with the same data pipeline and

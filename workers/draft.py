@@ -13,9 +13,10 @@ deterministic function of the context, so the target's keep-while-equal verifica
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kernels import AttentionMetadata
+from workers.models.fused_decode import Forward
+from workers.models.llama import LlamaForCausalLM
 
 
 class DraftProposer:
@@ -23,14 +24,16 @@ class DraftProposer:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
         num_tokens: int,
         max_model_len: int,
+        forward: Forward | None = None,
     ) -> None:
         self.model = model
+        self.forward: Forward = model if forward is None else forward  # as ModelRunner.forward
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -39,7 +42,7 @@ class DraftProposer:
 
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
         """Compute the draft's KV for the tokens the target computes in this step."""
-        self.model(input_ids, positions, self.kv_caches, meta)
+        self.forward(input_ids, positions, self.kv_caches, meta)
 
     def propose(
         self, last_tokens: list[int], positions: list[int], block_tables: list[list[int]]
@@ -63,7 +66,7 @@ class DraftProposer:
                 self.block_size,
                 self.device,
             )
-            hidden = self.model(
+            hidden = self.forward(
                 torch.tensor([tokens[i] for i in active], dtype=torch.long, device=self.device),
                 torch.tensor([pos[i] for i in active], dtype=torch.long, device=self.device),
                 self.kv_caches,

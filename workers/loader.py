@@ -21,13 +21,16 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from coreproc.errors import EmberError
 from kernels import AttentionBackend
 from workers.models import resolve
+from workers.models.layers import weight_loader_of
+from workers.models.llama import LlamaForCausalLM
 from workers.parallel import TPGroup
 from workers.quant import make_method
 
 
-class WeightLoadError(RuntimeError):
+class WeightLoadError(EmberError, RuntimeError):
     """The checkpoint does not fit the model; the message names the tensor and the file."""
 
 
@@ -97,7 +100,7 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
                     f"{type(model).__name__} has no such parameter"
                 )
             try:
-                param.weight_loader(param, tensor, shard)
+                weight_loader_of(param)(param, tensor, shard)
             except ValueError as e:
                 raise WeightLoadError(f"tensor {name} in {file}: {e}") from None
             seen.setdefault(target, set()).add(shard)
@@ -122,17 +125,6 @@ def quantize(model: nn.Module) -> float:
     if next(model.parameters()).device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
-
-
-def use_native_ops(model: nn.Module, enabled: bool) -> None:
-    """Switch the modules that have a fused native CPU op (those with a `native` flag: norms, rotary,
-    the MLP's activation) to it (kernels/native.py) or back to their torch code, and with them the
-    models' one-call decoder layers for decode steps."""
-    for module in model.modules():
-        if hasattr(module, "native"):
-            module.native = enabled
-    if hasattr(model, "set_fused_decode"):  # after the flags: it checks them
-        model.set_fused_decode(enabled)
 
 
 # What a Llama config.json must spell out for `read_hf_config` to skip transformers, and the values
@@ -187,7 +179,7 @@ def construct(
     max_positions: int,
     quantization: str | None = None,
     kernel: str = "torch",
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """The architecture's module tree on `device` (the meta device builds it without memory)."""
     hf_config = read_hf_config(model_dir)
     cls = resolve(architecture)
@@ -206,7 +198,7 @@ def build_model(
     quantization: str | None = None,
     show_progress: bool = True,
     kernel: str = "torch",
-) -> tuple[nn.Module, float, float]:
+) -> tuple[LlamaForCausalLM, float, float]:
     """Instantiate the architecture on `device` in `dtype`, load its weights and quantize them.
 
     Returns (model, seconds loading, seconds in the quantization pass)."""

@@ -43,7 +43,7 @@ class LogitBias(LogitsProcessor):
 
         index, ids, values = [], [], []
         for row in rows:
-            for tid, value in row.params.logit_bias.items():
+            for tid, value in (row.params.logit_bias or {}).items():  # set: only active rows come here
                 index.append(row.index)
                 ids.append(tid)
                 values.append(value)

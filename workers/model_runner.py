@@ -4,20 +4,23 @@ Runs in each worker process (in-process for the offline engine). It keeps a per-
 updated from `SchedulerOutput` diffs (new requests in full, then new blocks only) and appends the
 tokens it samples itself, so token ids never need to travel back from the scheduler. The batch is
 flattened: decodes (one query token) first, then prefill chunks, in a single varlen forward over the
-paged KV cache. Returns a `RunnerOutput`.
+paged KV cache, through the forward the worker chose for the model (its modules, or the one-call
+decode layers of workers/models/fused_decode.py). Returns a `RunnerOutput`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from coreproc.logits_processors import LogitsProcessor, Row
 from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
 from workers.draft import DraftProposer
+from workers.models.fused_decode import Forward
+from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
 
 
@@ -36,7 +39,7 @@ class RequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token(self, i: int, spec: list[int] = ()) -> int:
+    def token(self, i: int, spec: Sequence[int] = ()) -> int:
         """Token at position i; positions past the known tokens are proposed (speculative) ones."""
         n = len(self.prompt_ids)
         if i < n:
@@ -65,15 +68,18 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
         seed: int = 0,
         processors: list[LogitsProcessor] | None = None,
         draft: DraftProposer | None = None,
+        forward: Forward | None = None,
     ) -> None:
         self.model = model
+        # what runs the step: `model` itself, or its one-call decode layers (fused_decode.select_forward)
+        self.forward: Forward = model if forward is None else forward
         self.draft = draft
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -121,7 +127,7 @@ class ModelRunner:
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+        hidden = self.forward(ids_t, pos_t, self.kv_caches, meta)
         if self.draft is not None:
             self.draft.mirror(ids_t, pos_t, meta)
         ends = meta.query_start_loc_cpu[1:]

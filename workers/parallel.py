@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coreproc.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -38,5 +40,5 @@ class TPGroup:
     def shard(self, total: int, what: str) -> int:
         """Size of this rank's shard of `total`; refuse uneven splits with a clear message."""
         if total % self.size:
-            raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size {self.size}")
+            raise ConfigError(f"{what} ({total}) is not divisible by tensor_parallel_size {self.size}")
         return total // self.size

@@ -102,8 +102,8 @@ class Sampler:
             counts = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
             for row in range(n):
                 if b.output_ids[row]:
-                    ids = torch.tensor(b.output_ids[row], device=logits.device)
-                    counts[row].index_add_(0, ids, torch.ones(len(ids), device=logits.device))
+                    out_ids = torch.tensor(b.output_ids[row], device=logits.device)
+                    counts[row].index_add_(0, out_ids, torch.ones(len(out_ids), device=logits.device))
             freq = torch.tensor(b.frequency_penalty, device=logits.device).unsqueeze(1)
             pres = torch.tensor(b.presence_penalty, device=logits.device).unsqueeze(1)
             logits = logits - freq * counts - pres * (counts > 0).float()
@@ -125,11 +125,12 @@ class Sampler:
             probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         noise = torch.empty_like(probs)
         for j, i in enumerate(random_rows):
-            if b.seeds[i] is None:
+            seed = b.seeds[i]
+            if seed is None:
                 noise[j].exponential_(generator=self.generator)
             else:
                 gen = torch.Generator(device=logits.device)
-                gen.manual_seed(mix_seed(b.seeds[i], b.output_positions[i]))
+                gen.manual_seed(mix_seed(seed, b.output_positions[i]))
                 noise[j].exponential_(generator=gen)
         greedy_ids[rows] = (probs / noise).argmax(dim=-1)
         return greedy_ids

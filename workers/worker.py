@@ -1,8 +1,10 @@
 """One worker: a device, the model loaded onto it, its KV cache and its model runner.
 
-Runs in a worker process (or inside the offline engine's process). Start-up order: pick the device and
-attention backend -> build and load the model -> size the KV cache from the memory budget -> allocate
-it -> report `WorkerReady` (block count, bytes, load time). Then `execute_model` serves each step.
+Runs in a worker process (or inside the offline engine's process). Start-up (`load`), in phases: pick
+the device, attention backend and ops -> `load_weights` (and `load_draft`) -> `pick_kernels` ->
+`measure_memory` -> size (`plan_kv_blocks`) and `allocate_kv_cache` -> `build_processors` -> the
+model runner; it reports `WorkerReady` (block count, bytes, load time). Then `execute_model` serves
+each step.
 """
 
 from __future__ import annotations
@@ -11,27 +13,36 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
-from torch import nn
 
-from coreproc.config import ConfigError, EngineConfig
-from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
+from coreproc.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from coreproc.logits_processors import LogitsProcessor, ProcessorContext, engine_specs, load_processors
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
 from kernels.cpu_gemm import select_linear_kernel
 from kernels.native import use_native
 from workers.draft import DraftProposer
-from workers.loader import build_model, use_native_ops
+from workers.loader import build_model
 from workers.model_runner import ModelRunner
+from workers.models.fused_decode import Forward, select_forward
 from workers.models.layers import kv_bytes_per_token
+from workers.models.llama import LlamaForCausalLM
+from workers.models.ops import install_ops, select_ops
 from workers.parallel import TPGroup
 
 log = logging.getLogger("ember.worker")
 
 CPU_DEFAULT_KV_FRACTION = 0.3
 CUDA_DEFAULT_KV_FRACTION = 0.9
+
+
+def _index(device: torch.device) -> int | None:
+    """The device's index, None where none was given ("cuda"); torch's stubs type it as always int."""
+    return device.index
 
 
 def available_memory(device: torch.device) -> int:
@@ -70,6 +81,29 @@ def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.dev
     return blocks
 
 
+@dataclass(frozen=True)
+class LoadedWeights:
+    """The target model as `load_weights` left it, and how it got there."""
+
+    model: LlamaForCausalLM
+    source: str  # "disk" or "ipc_cache", and the file its weights are mapped from, if any
+    load_seconds: float
+    quantize_seconds: float
+    cache_fallback_reason: str  # why the preload cache was not used ("" if it was, or not asked for)
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """What the loaded weights take and what one KV block will take (target and draft together)."""
+
+    weight_bytes_by_dtype: dict[str, int]
+    kv_bytes_per_block: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(self.weight_bytes_by_dtype.values())
+
+
 class Worker:
     """Builds everything a device needs, then executes scheduler steps."""
 
@@ -77,7 +111,7 @@ class Worker:
         self.config = config
         self.tp = tp or TPGroup()
         self.device = torch.device(config.device.resolved)
-        if self.device.type == "cuda" and self.device.index is None:
+        if self.device.type == "cuda" and _index(self.device) is None:
             from workers.weight_cache.fingerprint import device_index
 
             self.device = torch.device("cuda", device_index(config, self.tp.rank))
@@ -85,23 +119,43 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.model.dtype)
         self.backend = select_backend(self.device, config.device.attention_backend)
-        self.native = use_native(self.device)
+        self.ops = select_ops(use_native(self.device))
         self.linear_kernel = select_linear_kernel(self.device, self.dtype)
         self.runner: ModelRunner | None = None
 
-    def _from_cache(self) -> tuple[nn.Module | None, float, str]:
-        """The model mapped from a preload daemon, or (None, 0, why not)."""
-        from workers.weight_cache.client import CacheUnavailable, load_from_cache
-
-        start = time.perf_counter()
-        try:
-            model = load_from_cache(self.config, self.device, self.tp, self.backend)
-        except CacheUnavailable as e:
-            log.warning("rank %d: ipc_cache: %s; loading from disk", self.tp.rank, e)
-            return None, 0.0, str(e)
-        return model, time.perf_counter() - start, ""
-
     def load(self, show_progress: bool = True) -> WorkerReady:
+        """Start-up in named phases; returns what the core needs to know about this rank."""
+        weights = self.load_weights(show_progress)
+        draft = self.load_draft(show_progress)
+        forward = self.pick_kernels(weights.model)
+        draft_forward = self.pick_kernels(draft) if draft is not None else None
+        memory = self.measure_memory(weights.model, draft)
+        num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device)
+        start = time.perf_counter()
+        kv_caches = self.allocate_kv_cache(weights.model, self.config.model.num_layers, num_blocks)
+        self._log_start_up(weights, memory, num_blocks, time.perf_counter() - start)
+        processors = self.build_processors()
+        proposer = None if draft is None else self.build_proposer(draft, num_blocks, draft_forward)
+        block_size, seed = self.config.cache.block_size, self.config.model.seed
+        self.runner = ModelRunner(
+            weights.model, kv_caches, block_size, self.device, seed, processors, proposer, forward
+        )
+        return WorkerReady(
+            rank=self.tp.rank,
+            num_kv_blocks=num_blocks,
+            kv_bytes_per_block=memory.kv_bytes_per_block,
+            weight_bytes=memory.weight_bytes,
+            weight_bytes_by_dtype=memory.weight_bytes_by_dtype,
+            load_seconds=weights.load_seconds,
+            quantize_seconds=weights.quantize_seconds,
+            device=str(self.device),
+            weight_source=weights.source,
+            cache_fallback_reason=weights.cache_fallback_reason,
+        )
+
+    def load_weights(self, show_progress: bool) -> LoadedWeights:
+        """The target model: mapped from a preload daemon when asked (and it answers), else built and
+        loaded from disk and quantized; on CPU then moved into `weights_file` when one is given."""
         cfg = self.config
         model, seconds, quant_seconds, fallback = None, 0.0, 0.0, ""
         if cfg.load.load_format == "ipc_cache":
@@ -125,61 +179,22 @@ class Worker:
 
             map_to_file(model, cfg.load.weights_file)
             source += f", mapped from {cfg.load.weights_file}"
-        draft = self._load_draft(show_progress)
-        for m in (model, draft):
-            if m is not None:
-                use_native_ops(m, self.native)
-        by_dtype: dict[str, int] = {}
-        for p in itertools.chain(model.parameters(), draft.parameters() if draft is not None else ()):
-            key = str(p.dtype).removeprefix("torch.")  # a draft's weights count with the target's
-            by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
-        weight_bytes = sum(by_dtype.values())
-        bytes_per_block = self._kv_bytes_per_block(model, cfg.model.num_layers)
-        if draft is not None:  # the draft's KV shares the target's block table: budget both per block
-            bytes_per_block += self._kv_bytes_per_block(draft, cfg.speculative.draft.num_layers)
-        num_blocks = plan_kv_blocks(cfg, bytes_per_block, self.device)
-        start = time.perf_counter()
-        kv_caches = self._allocate_kv(model, cfg.model.num_layers, num_blocks)
-        log.info(
-            "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB (%s) loaded in %.2fs, "
-            "quantized (%s) in %.2fs; attention %s, linears %s",
-            self.tp.rank,
-            num_blocks,
-            num_blocks * bytes_per_block / 2**20,
-            time.perf_counter() - start,
-            weight_bytes / 2**20,
-            ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
-            seconds,
-            cfg.model.quantization or "none",
-            quant_seconds,
-            self.backend.name,
-            self.linear_kernel,
-        )
-        ctx = ProcessorContext(cfg.model.vocab_size, cfg.model.max_model_len, str(self.device))
-        processors = load_processors(engine_specs(cfg.logits_processors), ctx)
-        proposer = None
-        if draft is not None:
-            draft_kv = self._allocate_kv(draft, cfg.speculative.draft.num_layers, num_blocks)
-            k = cfg.speculative.num_speculative_tokens
-            bs, max_len = cfg.cache.block_size, cfg.model.max_model_len
-            proposer = DraftProposer(draft, draft_kv, bs, self.device, k, max_len)
-        self.runner = ModelRunner(
-            model, kv_caches, cfg.cache.block_size, self.device, cfg.model.seed, processors, proposer
-        )
-        return WorkerReady(
-            rank=self.tp.rank,
-            num_kv_blocks=num_blocks,
-            kv_bytes_per_block=bytes_per_block,
-            weight_bytes=weight_bytes,
-            weight_bytes_by_dtype=by_dtype,
-            load_seconds=seconds,
-            quantize_seconds=quant_seconds,
-            device=str(self.device),
-            weight_source=source,
-            cache_fallback_reason=fallback,
-        )
+        return LoadedWeights(model, source, seconds, quant_seconds, fallback)
 
-    def _load_draft(self, show_progress: bool) -> nn.Module | None:
+    def _from_cache(self) -> tuple[LlamaForCausalLM | None, float, str]:
+        """The model mapped from a preload daemon, or (None, 0, why not)."""
+        from workers.weight_cache.client import CacheUnavailable, load_from_cache
+
+        start = time.perf_counter()
+        try:
+            # built by loader.construct, like a model from disk (the client's type says only nn.Module)
+            model = cast(LlamaForCausalLM, load_from_cache(self.config, self.device, self.tp, self.backend))
+        except CacheUnavailable as e:
+            log.warning("rank %d: ipc_cache: %s; loading from disk", self.tp.rank, e)
+            return None, 0.0, str(e)
+        return model, time.perf_counter() - start, ""
+
+    def load_draft(self, show_progress: bool) -> LlamaForCausalLM | None:
         """The speculative draft model (from disk, unquantized, not sharded), if one is configured."""
         spec = self.config.speculative
         if spec is None or spec.draft is None:
@@ -200,17 +215,80 @@ class Worker:
         log.info("rank %d: draft model %s loaded in %.2fs", self.tp.rank, d.model, seconds)
         return draft
 
-    def _kv_bytes_per_block(self, model: nn.Module, num_layers: int) -> int:
+    def _draft_config(self) -> tuple[SpeculativeConfig, ModelConfig]:
+        """The speculative config and its draft model's, for the phases after `load_draft` found one."""
+        spec = self.config.speculative
+        assert spec is not None and spec.draft is not None, "no draft model is configured"
+        return spec, spec.draft
+
+    def pick_kernels(self, model: LlamaForCausalLM) -> Forward:
+        """Install this worker's ops (native CPU ops or torch) on a loaded model and return what runs
+        its steps: the one-call decode layers where every layer qualifies, else the model itself."""
+        install_ops(model, self.ops)
+        return select_forward(model)
+
+    def measure_memory(self, model: LlamaForCausalLM, draft: LlamaForCausalLM | None) -> MemoryUsage:
+        """Weight bytes by dtype (a draft's count with the target's) and KV bytes per block; the draft's
+        KV shares the target's block table, so one block budgets both."""
+        by_dtype: dict[str, int] = {}
+        for p in itertools.chain(model.parameters(), draft.parameters() if draft is not None else ()):
+            key = str(p.dtype).removeprefix("torch.")
+            by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+        per_block = self._kv_bytes_per_block(model, self.config.model.num_layers)
+        if draft is not None:
+            per_block += self._kv_bytes_per_block(draft, self._draft_config()[1].num_layers)
+        return MemoryUsage(by_dtype, per_block)
+
+    def _kv_bytes_per_block(self, model: LlamaForCausalLM, num_layers: int) -> int:
         attn = model.model.layers[0].self_attn
         per_token = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
         return per_token * self.config.cache.block_size
 
-    def _allocate_kv(self, model: nn.Module, num_layers: int, num_blocks: int) -> list[torch.Tensor]:
+    def allocate_kv_cache(
+        self, model: LlamaForCausalLM, num_layers: int, num_blocks: int
+    ) -> list[torch.Tensor]:
         """KV tensors per layer; uninitialised on purpose: the kernels mask every slot beyond a sequence,
         and untouched host pages are never committed, so a large budget costs nothing until used."""
         attn = model.model.layers[0].self_attn
         shape = (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
         return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+
+    def _log_start_up(
+        self, weights: LoadedWeights, memory: MemoryUsage, num_blocks: int, kv_seconds: float
+    ) -> None:
+        by_dtype = memory.weight_bytes_by_dtype
+        log.info(
+            "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB (%s) loaded in %.2fs, "
+            "quantized (%s) in %.2fs; attention %s, linears %s",
+            self.tp.rank,
+            num_blocks,
+            num_blocks * memory.kv_bytes_per_block / 2**20,
+            kv_seconds,
+            memory.weight_bytes / 2**20,
+            ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(by_dtype.items())),
+            weights.load_seconds,
+            self.config.model.quantization or "none",
+            weights.quantize_seconds,
+            self.backend.name,
+            self.linear_kernel,
+        )
+
+    def build_processors(self) -> list[LogitsProcessor]:
+        """The logits processors the engine loads (built-ins, entry points, `--logits-processors`)."""
+        cfg = self.config
+        ctx = ProcessorContext(cfg.model.vocab_size, cfg.model.max_model_len, str(self.device))
+        return load_processors(engine_specs(cfg.logits_processors), ctx)
+
+    def build_proposer(
+        self, draft: LlamaForCausalLM, num_blocks: int, forward: Forward | None
+    ) -> DraftProposer:
+        """The draft model with its own KV cache (the target's block count), on the target's block tables."""
+        cfg = self.config
+        spec, draft_cfg = self._draft_config()
+        kv_caches = self.allocate_kv_cache(draft, draft_cfg.num_layers, num_blocks)
+        k = spec.num_speculative_tokens
+        bs, max_len = cfg.cache.block_size, cfg.model.max_model_len
+        return DraftProposer(draft, kv_caches, bs, self.device, k, max_len, forward)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None, "execute_model called before load()"

@@ -23,10 +23,11 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from coreproc import boot
 from coreproc.config import EngineConfig
+from coreproc.errors import EmberError
 from coreproc.ipc import Codec
 from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
+from coreproc.startup import boot
 from workers.parallel import TPGroup
 
 log = logging.getLogger("ember.worker")
@@ -87,7 +88,7 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
         cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
         worker = Worker(cfg, tp)
         sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
-        boot.settle()  # started by coreproc.boot with the collector off
+        boot.settle()  # started by coreproc.startup.boot with the collector off
         empty = RunnerOutput()
         while True:
             events = dict(poller.poll(PARENT_CHECK_MS))
@@ -103,8 +104,12 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
             output = worker.execute_model(msg.scheduler_output)
             sock.send_multipart(codec.encode(StepResult(msg.step_id, rank, output if rank == 0 else empty)))
     except Exception as e:  # report, then die: the core fails its requests loudly
-        log.error("rank %d failed:\n%s", rank, traceback.format_exc())
-        sock.send_multipart(codec.encode(WorkerFailed(rank, f"{type(e).__name__}: {e}")))
+        user = isinstance(e, EmberError)  # the core reports it in the user's words, once
+        if not user:
+            log.error("rank %d failed:\n%s", rank, traceback.format_exc())
+        sock.send_multipart(
+            codec.encode(WorkerFailed(rank, str(e) if user else f"{type(e).__name__}: {e}", user))
+        )
         code = 1
     finally:
         sock.close()

@@ -39,7 +39,7 @@ def main(job_path: str) -> None:
     from coreproc.config import EngineConfig
     from coreproc.llm import LLM
     from coreproc.protocol import SamplingParams
-    from tools.bench_latency import time_request
+    from frontend.bench.latency import time_request
 
     params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
     load_start = time.time()

@@ -7,6 +7,10 @@ class so that looking up what is supported never imports torch; `resolve()` impo
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
@@ -16,8 +20,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 
 
-def resolve(architecture: str) -> type:
-    """Import and return the model class for an HF architecture name."""
+def resolve(architecture: str) -> type[LlamaForCausalLM]:
+    """Import and return the model class for an HF architecture name (all of them specialise Llama's)."""
     try:
         target = SUPPORTED_ARCHITECTURES[architecture]
     except KeyError:

@@ -8,18 +8,22 @@ batch gets bit-identical results to the module path. Short queries (speculative 
 draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per request) take it too, each
 token as a decode row of its own: its keys are written before attention runs, and it attends to
 positions 0 .. its own (the same logits a plain decode step at that position gives). Longer
-prefills keep the module path. `plan` decides once per model, after loading; `run` takes a batch.
+prefills keep the module path. The worker calls `select_forward` once per model, after loading and
+installing its ops; the model runner (and the draft) call what it returns for every step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
+from workers.models.layers import ColumnLinear, RotaryEmbedding, RowLinear
+from workers.models.llama import DecoderLayer, LlamaForCausalLM
+from workers.models.ops import NativeCpuOps
 from workers.quant.fp8 import Fp8PerTensor
 from workers.quant.packed import PackedBf16
 
@@ -35,19 +39,19 @@ class FusedLayer:
     eps: float
 
 
-def native_linear(lin: nn.Module) -> bool:
+def native_linear(lin: ColumnLinear | RowLinear) -> bool:
     """A linear whose method runs a native packed matmul: packed bf16, or fp8 in the native layout."""
     if type(lin.quant) is PackedBf16:
         return True
     return isinstance(lin.quant, Fp8PerTensor) and "out_features" in getattr(lin, "quant_attrs", {})
 
 
-def layer_plan(layer: nn.Module, dtype: torch.dtype) -> FusedLayer | None:
+def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     """The fused op's arguments for one DecoderLayer, or None when part of it is not on the native path."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not (mlp.native and attn.rotary.native and all(n.native for n in norms)):
+    if not all(isinstance(m.ops, NativeCpuOps) for m in (mlp, attn.rotary, *norms)):
         return None
     if any(not native_linear(lin) or lin.bias is not None or lin.tp.size != 1 for lin in linears):
         return None
@@ -64,19 +68,11 @@ def layer_plan(layer: nn.Module, dtype: torch.dtype) -> FusedLayer | None:
         mlp.down_proj.weight,
     ]
     outs = [lin.quant_attrs["out_features"] for lin in linears]
-    scales = [getattr(lin, "weight_scale", None) for lin in linears]
-    scales = [torch.empty(0) if s is None else s for s in scales]
+    found = [getattr(lin, "weight_scale", None) for lin in linears]
+    scales = [torch.empty(0) if s is None else s for s in found]
     window = attn.attn.sliding_window or 0
     dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim, window]
     return FusedLayer(weights, scales, dims, attn.attn.scale, norms[0].eps)
-
-
-def plan(layers: nn.ModuleList, dtype: torch.dtype, enabled: bool) -> list[FusedLayer] | None:
-    """Every layer's arguments when all of them qualify (and `enabled`), else None."""
-    if not enabled or dtype != torch.bfloat16:
-        return None
-    plans = [layer_plan(layer, dtype) for layer in layers]
-    return None if any(p is None for p in plans) else plans
 
 
 MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
@@ -89,7 +85,7 @@ def qualifies(meta: AttentionMetadata, tokens: int) -> bool:
 
 def run(
     plans: list[FusedLayer],
-    rotary: nn.Module,
+    rotary: RotaryEmbedding,
     positions: torch.Tensor,
     x: torch.Tensor,
     kv_caches: list[torch.Tensor],
@@ -111,3 +107,47 @@ def run(
         args = (kv[0], kv[1], table, lens, slots, cos, sin, p.scale, p.eps)
         x = layer_op(x, positions, p.weights, p.scales, p.dims, *args)
     return x
+
+
+Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
+"""forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden], as a model's."""
+
+
+class FusedDecode:
+    """A model's forward that runs qualifying batches through the one-call layers, others through
+    the model's modules; both end in the model's final norm."""
+
+    def __init__(self, model: LlamaForCausalLM, layers: list[FusedLayer]) -> None:
+        self.model = model
+        self.layers = layers
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        if not qualifies(meta, input_ids.shape[0]):
+            return self.model(input_ids, positions, kv_caches, meta)
+        body = self.model.model
+        rotary = body.layers[0].self_attn.rotary
+        x = run(self.layers, rotary, positions, body.embed_tokens(input_ids), kv_caches, meta)
+        return body.norm(x)
+
+
+def plan(model: LlamaForCausalLM) -> FusedDecode | None:
+    """The one-call layers of a bf16 model when every layer qualifies, else None."""
+    body = model.model
+    dtype = body.embed_tokens.weight.dtype
+    if dtype != torch.bfloat16:
+        return None
+    plans = [layer_plan(layer, dtype) for layer in body.layers]
+    qualified = [p for p in plans if p is not None]
+    return FusedDecode(model, qualified) if len(qualified) == len(plans) else None
+
+
+def select_forward(model: LlamaForCausalLM) -> Forward:
+    """What runs a step of `model`: its one-call decode layers where they qualify, else the model."""
+    fused = plan(model)
+    return model if fused is None else fused

@@ -3,13 +3,14 @@
 Runs in worker processes. Parameters are created with `torch.empty` so the loader's device/dtype
 context decides where they live. Each parameter carries a `weight_loader(param, tensor, shard)` that
 copies this rank's slice of a checkpoint tensor, which is how stacked projections (qkv, gate/up) and
-tensor parallelism share one loading path. Numerics follow Hugging Face's implementations exactly
-(RMSNorm in float32, rotate-half rotary with cos/sin cast to the activation dtype).
+tensor parallelism share one loading path. Norms and rotary compute through the model's ops strategy
+(workers/models/ops.py), whose torch references follow Hugging Face's numerics exactly.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,8 +18,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
+from workers.models.ops import LayerOps, OpModule
 from workers.parallel import TPGroup
-from workers.quant.base import QuantMethod, Unquantized
+from workers.quant.base import QuantLayer, QuantMethod, Unquantized
+
+WeightLoader = Callable[[torch.Tensor, torch.Tensor, Any], None]
+"""weight_loader(param, checkpoint tensor, shard): copy this rank's slice of the tensor into param."""
+
+WEIGHT_LOADER = "weight_loader"  # the attribute of each parameter that workers/loader.py calls
+
+
+def attach_weight_loader(param: torch.Tensor, loader: WeightLoader) -> None:
+    """Give `param` its `weight_loader` (a plain attribute on the tensor, which torch's types lack)."""
+    setattr(param, WEIGHT_LOADER, loader)
+
+
+def weight_loader_of(param: torch.Tensor) -> WeightLoader:
+    """The loader `attach_weight_loader` gave `param` (AttributeError if it has none)."""
+    loader: WeightLoader = getattr(param, WEIGHT_LOADER)
+    return loader
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -32,7 +50,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: Any 
     param.data.copy_(loaded)
 
 
-class ColumnLinear(nn.Module):
+class ColumnLinear(QuantLayer):
     """y = x @ W.T (+ b) with the output dimension split across TP ranks.
 
     `out_sizes` lists the stacked sub-projections (e.g. q, k, v); shard `i` of the checkpoint lands
@@ -52,10 +70,10 @@ class ColumnLinear(nn.Module):
         self.quant = quant or Unquantized()
         self.local_sizes = [tp.shard(s, "projection size") for s in out_sizes]
         self.quant.create_weights(self, sum(self.local_sizes), in_features)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self.weight_loader)
         self.bias = _param(sum(self.local_sizes)) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = self.weight_loader
+            attach_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
         index = 0 if shard is None else shard
@@ -71,7 +89,7 @@ class ColumnLinear(nn.Module):
         return self.quant.apply(self, x, self.bias)
 
 
-class RowLinear(nn.Module):
+class RowLinear(QuantLayer):
     """y = x @ W.T (+ b) with the input dimension split across TP ranks; partial sums are all-reduced."""
 
     def __init__(
@@ -82,10 +100,10 @@ class RowLinear(nn.Module):
         self.quant = quant or Unquantized()
         self.local_in = tp.shard(in_features, "row-parallel input size")
         self.quant.create_weights(self, out_features, self.local_in)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self.weight_loader)
         self.bias = _param(out_features) if bias else None
         if self.bias is not None:
-            self.bias.weight_loader = default_weight_loader
+            attach_weight_loader(self.bias, default_weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         expected = (param.shape[0], self.local_in * self.tp.size)
@@ -101,6 +119,8 @@ class RowLinear(nn.Module):
 class VocabEmbedding(nn.Module):
     """Token embedding with the vocabulary split across TP ranks (padded to a multiple of the size)."""
 
+    weight: torch.Tensor  # a frozen Parameter; the LM head's may be tied to this one, or processed
+
     def __init__(self, vocab_size: int, hidden: int, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
@@ -108,7 +128,7 @@ class VocabEmbedding(nn.Module):
         self.local_vocab = -(-vocab_size // tp.size)
         self.start = tp.rank * self.local_vocab
         self.weight = _param(self.local_vocab, hidden)
-        self.weight.weight_loader = self.weight_loader
+        attach_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
         if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
@@ -127,7 +147,7 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class LMHead(VocabEmbedding):
+class LMHead(VocabEmbedding, QuantLayer):
     """Output projection to vocabulary logits (float32), gathered across TP ranks.
 
     `quant` (optional) is a method that processes and applies the head's weight like a linear layer's
@@ -146,27 +166,17 @@ class LMHead(VocabEmbedding):
         return logits[..., : self.vocab_size].float()
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, as Hugging Face's Llama/Qwen norms do.
+class RMSNorm(OpModule):
+    """Root-mean-square norm computed in float32, as Hugging Face's Llama/Qwen norms do (see ops.py)."""
 
-    `native` (set once by `workers.loader.use_native_ops`) runs the fused CPU op instead of the torch
-    reference below; both round the same way. Modules with such a flag declare it in `__init__`.
-    """
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
+    def __init__(self, size: int, eps: float, ops: LayerOps | None = None) -> None:
+        super().__init__(ops)
         self.eps = eps
-        self.native = False
         self.weight = _param(size)
-        self.weight.weight_loader = default_weight_loader
+        attach_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dtype == self.weight.dtype:
-            return torch.ops.ember.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -184,15 +194,20 @@ def rope_parameters(hf_config: Any) -> dict:
     return params
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(OpModule):
     """Rotate-half (NeoX-style) rotary embedding with a precomputed cos/sin table.
 
     Inverse frequencies come from transformers' own rope initialisers, so scaled variants
     (linear, llama3, yarn) match Hugging Face exactly.
     """
 
-    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
-        super().__init__()
+    cos: torch.Tensor  # [max_positions, rotary_dim] buffers, registered by `materialize`
+    sin: torch.Tensor
+
+    def __init__(
+        self, hf_config: Any, head_dim: int, max_positions: int, ops: LayerOps | None = None
+    ) -> None:
+        super().__init__(ops)
         params = rope_parameters(hf_config)
         rope_type = params["rope_type"]
         if rope_type not in STATIC_ROPE_TYPES:
@@ -210,7 +225,6 @@ class RotaryEmbedding(nn.Module):
 
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu)
         self.rotary_dim = rotary_dim
-        self.native = False  # set once by workers.loader.use_native_ops: the fused in-place CPU op
         self.max_positions = max_positions
         self.inv_freq, self.scaling = inv_freq.float(), scaling  # host copies: tables can be rebuilt
         self.materialize(torch.get_default_device())
@@ -222,28 +236,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * self.scaling).to(device), persistent=False)
         self.register_buffer("sin", (emb.sin() * self.scaling).to(device), persistent=False)
 
-    @staticmethod
-    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((-x2, x1), dim=-1)
-
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D], k: [T, Hkv, D]; cos/sin: [T, 1, rotary_dim]
-        if self.native:
-            torch.ops.ember.rotary_(positions, q, k, self.cos, self.sin, self.rotary_dim)
-            return q, k
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        r = self.rotary_dim
-
-        def rot(x: torch.Tensor) -> torch.Tensor:
-            xr = x[..., :r]
-            out = xr * cos + self._rotate_half(xr) * sin
-            return out if r == x.shape[-1] else torch.cat((out, x[..., r:]), dim=-1)
-
-        return rot(q), rot(k)
+        # q: [T, H, D], k: [T, Hkv, D]; the native op rotates them in place
+        return self.ops.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
 
 
 class PagedAttention(nn.Module):
@@ -275,12 +272,6 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a stacked [gate | up] projection."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

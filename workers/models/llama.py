@@ -2,19 +2,20 @@
 
 Runs in worker processes. Weight names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, ...);
 q/k/v and gate/up are stacked into one projection each, mapped by `stacked_params`. Subclasses flip
-class attributes (qkv bias, q/k norm, sliding window) instead of re-implementing layers.
+class attributes (qkv bias, q/k norm, sliding window) instead of re-implementing layers. Which kernels
+run (the ops strategy, the one-call decode layers) is chosen by the worker after building.
 forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden]; compute_logits -> float32.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
-from workers.models import fused_decode
 from workers.models.layers import (
     ColumnLinear,
     LMHead,
@@ -23,8 +24,8 @@ from workers.models.layers import (
     RotaryEmbedding,
     RowLinear,
     VocabEmbedding,
-    silu_and_mul,
 )
+from workers.models.ops import OpModule
 from workers.parallel import TPGroup
 from workers.quant.base import QuantMethod
 
@@ -66,13 +67,13 @@ class DecoderAttention(nn.Module):
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (`qk_norm`)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
-class DecoderMLP(nn.Module):
+class DecoderMLP(OpModule):
     def __init__(self, cfg: Any, tp: TPGroup, quant: QuantMethod | None = None) -> None:
         super().__init__()
         inter = cfg.intermediate_size
@@ -82,12 +83,9 @@ class DecoderMLP(nn.Module):
         bias = getattr(cfg, "mlp_bias", False)
         self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], bias, tp, quant)
         self.down_proj = RowLinear(inter, cfg.hidden_size, bias, tp, quant)
-        self.native = False  # set once by workers.loader.use_native_ops: the fused CPU activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        act = torch.ops.ember.silu_and_mul(h.reshape(-1, h.shape[-1])) if self.native else silu_and_mul(h)
-        return self.down_proj(act)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -107,11 +105,23 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class DecoderLayers(Protocol):
+    """How the model's nn.ModuleList of DecoderLayers reads (torch types its items as plain Modules)."""
+
+    def __getitem__(self, index: int) -> DecoderLayer: ...
+
+    def __iter__(self) -> Iterator[DecoderLayer]: ...
+
+    def __len__(self) -> int: ...
+
+
 class DecoderModel(nn.Module):
+    layers: DecoderLayers
+
     def __init__(self, cfg: Any, tp: TPGroup, layers: list[DecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(layers)
+        self.layers = cast(DecoderLayers, nn.ModuleList(layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -174,7 +184,6 @@ class LlamaForCausalLM(nn.Module):
             # loaded once, with the embedding; a head method (the CPU fast path's packing) then makes
             # the head its own processed copy, since the embedding lookup needs the plain rows
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.fused: list[fused_decode.FusedLayer] | None = None
 
     def layer_sliding_window(self, cfg: Any, index: int) -> int | None:
         window = getattr(cfg, "sliding_window", None)
@@ -193,18 +202,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        if self.fused is not None and fused_decode.qualifies(meta, x.shape[0]):
-            rotary = self.model.layers[0].self_attn.rotary
-            x = fused_decode.run(self.fused, rotary, positions, x, kv_caches, meta)
-        else:
-            for layer, kv_cache in zip(self.model.layers, kv_caches):
-                x = layer(positions, x, kv_cache, meta)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
         return self.model.norm(x)
-
-    def set_fused_decode(self, enabled: bool) -> None:
-        """Run decode batches (and short queries) through one native call per layer where every layer
-        qualifies (workers/models/fused_decode.py); set by workers.loader.use_native_ops."""
-        self.fused = fused_decode.plan(self.model.layers, self.model.embed_tokens.weight.dtype, enabled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -13,6 +13,8 @@ import importlib
 import logging
 from typing import Any
 
+from coreproc.model_config import resolve_quantization
+
 log = logging.getLogger("ember.quant")
 
 QUANT_METHODS: dict[str, str] = {
@@ -20,20 +22,11 @@ QUANT_METHODS: dict[str, str] = {
     "int8": "workers.quant.int8:Int8WeightOnly",
     "int4": "workers.quant.int4:Int4Grouped",
 }
-ALIASES = {"fp8": "fp8_per_tensor"}
 
 
 def resolve_name(name: str | None) -> str | None:
-    """The canonical method name (None: no quantization); ValueError for unknown names."""
-    if name is None or name in ("", "none"):
-        return None
-    if name in ALIASES:
-        log.warning("--quantization %s is an alias for %s", name, ALIASES[name])
-        return ALIASES[name]
-    if name not in QUANT_METHODS:
-        supported = ", ".join([*QUANT_METHODS, *ALIASES])
-        raise ValueError(f"unknown quantization method {name!r}; supported: {supported}")
-    return name
+    """The canonical method name (None: no quantization); ConfigError for unknown names."""
+    return resolve_quantization(name)
 
 
 def make_method(name: str | None, kernel: str = "torch", **params: Any) -> Any:

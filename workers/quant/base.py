@@ -2,7 +2,8 @@
 
 Runs in worker processes. A method is shared by all linear layers of a model and keeps no per-layer
 state itself: it creates a layer's checkpoint-precision weight, turns it into its processed form
-after loading (the expensive pass), and computes the layer's matmul. `layout(layer)` describes the
+after loading (the expensive pass), and computes the layer's matmul; the layers it serves are
+`QuantLayer`s, which declare the attributes methods create. `layout(layer)` describes the
 processed tensors exactly (shape, stride, dtype, attributes such as a transpose or a group size) so a
 weight cache can rebuild the layer from them; `cacheable` says whether that is allowed.
 """
@@ -33,6 +34,18 @@ class TensorSpec:
         return cls(tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch."))
 
 
+class QuantLayer(nn.Module):
+    """A layer whose weight a QuantMethod owns (ColumnLinear, RowLinear, LMHead): the attributes the
+    methods create on it, declared once. Only `weight` always exists; the others exist once a method
+    that uses them has processed the layer (`weight_scale`: fp8, int8, int4; `weight_zero`: int4;
+    `quant_attrs`: fp8, int4, packed bf16), so code that may meet any method probes with getattr."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_zero: torch.Tensor
+    quant_attrs: dict[str, Any]
+
+
 class QuantMethod(ABC):
     """Create -> load (checkpoint precision) -> process_weights_after_loading -> apply."""
 
@@ -50,16 +63,16 @@ class QuantMethod(ABC):
         """Stable across processes and runs: sha256 of the sorted JSON config."""
         return hashlib.sha256(json.dumps(self.config(), sort_keys=True).encode()).hexdigest()
 
-    def create_weights(self, layer: nn.Module, out_features: int, in_features: int) -> None:
+    def create_weights(self, layer: QuantLayer, out_features: int, in_features: int) -> None:
         """The weight the checkpoint loads into (compute dtype, [out, in])."""
         layer.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
     @abstractmethod
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         """Replace the loaded weight by its processed form."""
 
     @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ bias) for the layer's processed weight."""
 
     def head_method(self) -> QuantMethod | None:
@@ -70,7 +83,7 @@ class QuantMethod(ABC):
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight",)
 
-    def layout(self, layer: nn.Module) -> dict[str, Any]:
+    def layout(self, layer: QuantLayer) -> dict[str, Any]:
         """Processed tensors (name -> TensorSpec) and layer attributes, for rebuilding the layer."""
         tensors = {n: TensorSpec.of(getattr(layer, n)) for n in self.tensor_names()}
         return {"method": self.config(), "tensors": tensors, "attrs": dict(getattr(layer, "quant_attrs", {}))}
@@ -86,8 +99,8 @@ class QuantMethod(ABC):
 class Unquantized(QuantMethod):
     name = "none"
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         pass
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from kernels.cpu_gemm import gemm_fp8, pack_fp8
-from workers.quant.base import QuantMethod
+from workers.quant.base import QuantLayer, QuantMethod
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -46,7 +45,7 @@ class Fp8PerTensor(QuantMethod):
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale")
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         q, scale = quantize_per_tensor(layer.weight.data)
         if self.params.get("layout") == self.native_layout:
             self.replace(layer, "weight", pack_fp8(q))
@@ -60,7 +59,7 @@ class Fp8PerTensor(QuantMethod):
         self.replace(layer, "weight_scale", scale)
         layer.quant_attrs = {"transposed": transposed}
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         w, scale = layer.weight, layer.weight_scale
         if "out_features" in layer.quant_attrs:
             y = gemm_fp8(x, w, scale, layer.quant_attrs["out_features"])

@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from kernels.int4_matmul import int4_matmul_torch, int4_matmul_triton, pack_int4
-from workers.quant.base import QuantMethod
+from workers.quant.base import QuantLayer, QuantMethod
 
 
 def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -39,7 +38,7 @@ class Int4Grouped(QuantMethod):
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale", "weight_zero")
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         w = layer.weight.data
         k = w.shape[1]
         if k % 2:
@@ -51,7 +50,7 @@ class Int4Grouped(QuantMethod):
         self.replace(layer, "weight_zero", zero.to(w.dtype))
         layer.quant_attrs = {"group_size": group, "in_features": k}
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         group = layer.quant_attrs["group_size"]
         x2 = x.reshape(-1, x.shape[-1])
         matmul = int4_matmul_triton if x.device.type == "cuda" else int4_matmul_torch

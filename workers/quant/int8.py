@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from workers.quant.base import QuantMethod
+from workers.quant.base import QuantLayer, QuantMethod
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,12 +28,12 @@ class Int8WeightOnly(QuantMethod):
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale")
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         dtype = layer.weight.dtype
         q, scale = quantize_per_channel(layer.weight.data)
         self.replace(layer, "weight", q.contiguous())
         self.replace(layer, "weight_scale", scale.to(dtype))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
         return out if bias is None else out + bias

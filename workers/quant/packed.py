@@ -10,10 +10,9 @@ files hold it, and the method's config (part of the cache fingerprint) names it.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kernels.cpu_gemm import gemm_bf16, pack_bf16
-from workers.quant.base import QuantMethod
+from workers.quant.base import QuantLayer, QuantMethod
 
 
 class PackedBf16(QuantMethod):
@@ -25,11 +24,11 @@ class PackedBf16(QuantMethod):
     def head_method(self) -> QuantMethod:
         return self  # the head is the largest single matmul of a decode step: pack it too
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         weight = layer.weight.data
         self.replace(layer, "weight", pack_bf16(weight))
         layer.quant_attrs = {"out_features": int(weight.shape[0])}
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = gemm_bf16(x, layer.weight, layer.quant_attrs["out_features"])
         return y if bias is None else y + bias

@@ -105,8 +105,8 @@ class Daemon:
     def answer(self, req: CacheRequest) -> tuple[CacheReply, list[int]]:
         if req.kind == "ping":
             return CacheReply(status="ready", fingerprint=self.fingerprint), []
-        if req.kind != "state" or req.fingerprint is None:
-            return CacheReply(status="error", message=f"unknown request {req.kind!r}"), []
+        if req.fingerprint is None:
+            return CacheReply(status="error", message="a state request needs a fingerprint"), []
         fields = differences(req.fingerprint, self.fingerprint)
         if fields:
             return CacheReply(status="mismatch", fields=fields, fingerprint=self.fingerprint), []
@@ -128,7 +128,11 @@ class Daemon:
                         log.warning("refused a connection from uid %d", peer_uid(conn))
                         continue
                     conn.settimeout(30)
-                    req, _ = recv_msg(conn, CacheRequest)
+                    try:
+                        req, _ = recv_msg(conn, CacheRequest)
+                    except msgspec.ValidationError as e:  # e.g. a kind this daemon does not know
+                        send_msg(conn, CacheReply(status="error", message=f"unknown request: {e}"))
+                        continue
                     reply, fds = self.answer(req)
                     send_msg(conn, reply, fds)
                 except Exception as e:  # one bad request never takes the daemon down

@@ -17,7 +17,8 @@ import struct
 import tempfile
 from pathlib import Path
 
-from coreproc.config import EngineConfig, engine_version
+from coreproc.config import EngineConfig
+from coreproc.host import engine_version
 from coreproc.protocol import Fingerprint
 
 SAMPLES_PER_SHARD = 16

@@ -25,6 +25,7 @@ import msgspec
 import zmq
 
 from coreproc.config import EngineConfig
+from coreproc.errors import ConfigError
 from coreproc.ipc import Codec, ipc_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.protocol import DaemonReady
 
@@ -118,7 +119,7 @@ class Launcher:
 
     def start(self, timeout: float) -> None:
         env = dict(os.environ)
-        zygote = [sys.executable, "-m", "workers.weight_cache.zygote", "--socket-dir", str(self.directory)]
+        zygote = [sys.executable, "-m", "coreproc.startup.zygote", "--socket-dir", str(self.directory)]
         # the zygote's children are engine workers: OpenMP's default (briefly spinning) wait policy
         self.zygote = subprocess.Popen(zygote, stdout=subprocess.PIPE, text=True, env=env)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the daemons only hold memory once loaded
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace, config: EngineConfig, draft: EngineConfig | No
     from setproctitle import setproctitle
 
     if args.pipeline_parallel_size != 1:
-        raise ValueError(
+        raise ConfigError(
             "ember preload does not support pipeline parallelism (--pipeline-parallel-size must be 1)"
         )
     directory = socket_dir(args)

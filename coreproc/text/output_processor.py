@@ -2,7 +2,8 @@
 
 Runs in the frontend (and the offline API's process). A request with n > 1 fans out into n engine
 requests ("{i}_{id}", seeds offset by i), whose results are gathered under the parent; a request's
-sequences are built first and registered only once the engine has admitted them all. Stop strings are
+sequences are built first and registered only once the engine has admitted them all, each with its
+index among the API request's choices (`choice_index`: prompt k's sequence i is k * n + i). Stop strings are
 found here after detokenization; the processor returns those engine request ids so the caller can
 abort them in the core. `process()` returns one `SequenceDelta` per sequence that changed (for
 streaming) and keeps the running totals for `RequestOutput`s.
@@ -17,8 +18,8 @@ from typing import Any
 import msgspec
 
 from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from coreproc.protocol import EngineOutput, EngineRequest, SamplingParams, TokenLogprobs
-from frontend.detokenizer import IncrementalDetokenizer
+from coreproc.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams, TokenLogprobs
+from coreproc.text.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -26,11 +27,12 @@ class SequenceDelta:
     """What one sequence gained in one step (for streaming)."""
 
     request_id: str
-    index: int
+    index: int  # the sequence's index within its prompt's n
+    choice_index: int  # ... within the API request's choices (all prompts x n)
     text: str
     token_ids: list[int]
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     stop_reason: int | str | None
 
 
@@ -38,6 +40,7 @@ class SequenceDelta:
 class Sequence:
     parent: ParentRequest
     index: int
+    choice_index: int
     detok: IncrementalDetokenizer
     output: CompletionOutput
     want_logprobs: bool
@@ -132,9 +135,15 @@ class OutputProcessor:
         ]
 
     def register(
-        self, request_id: str, prompt: str | None, prompt_ids: list[int], requests: list[EngineRequest]
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        requests: list[EngineRequest],
+        first_choice: int = 0,
     ) -> None:
-        """Track the sequences of one prompt (from `engine_requests`) so their outputs can be processed."""
+        """Track the sequences of one prompt (from `engine_requests`) so their outputs can be processed;
+        they are the API request's choices from `first_choice` on."""
         parent = ParentRequest(request_id, prompt, list(prompt_ids))
         if requests[0].sampling_params.prompt_logprobs is not None:
             parent.prompt_logprobs = []
@@ -144,6 +153,7 @@ class OutputProcessor:
             seq = Sequence(
                 parent,
                 i,
+                first_choice + i,
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, sub),
                 CompletionOutput(index=i, logprobs=[] if sub.logprobs is not None else None),
                 sub.logprobs is not None,
@@ -166,8 +176,10 @@ class OutputProcessor:
         kw = dict(eos_token_ids=eos_token_ids, priority=priority, cache_salt=cache_salt)
         built = [(rid, text, ids, self.engine_requests(rid, ids, p, **kw)) for rid, text, ids, p in prompts]
         engine.add_requests([er for *_, ers in built for er in ers])
+        first_choice = 0
         for rid, text, ids, ers in built:
-            self.register(rid, text, ids, ers)
+            self.register(rid, text, ids, ers, first_choice)
+            first_choice += len(ers)
 
     def withdraw(self, engine: Any, request_id: str) -> None:
         """Abort whatever of a request still runs in `engine` and forget it."""
@@ -221,6 +233,7 @@ class OutputProcessor:
                 SequenceDelta(
                     parent.request_id,
                     seq.index,
+                    seq.choice_index,
                     text,
                     list(new_ids),
                     new_lps,

@@ -15,11 +15,14 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from coreproc.config import EngineConfig
-from coreproc.protocol import SamplingParams
+from coreproc.errors import EmberError
+from coreproc.protocol import SamplingParams, SchedulerStats
 
 
 @dataclass
@@ -33,22 +36,26 @@ class Result:
     quantization: str = "none"
     weight_bytes: int = 0
     quantize_seconds: float = 0.0
-    spec: dict | None = None  # speculative decoding counters of the measured run
+    spec: SchedulerStats | None = None  # the engine's stats after the run, when it speculated
 
     def spec_line(self) -> str | None:
-        if not self.spec or not self.spec.get("spec_num_proposed"):
-            return None
         s = self.spec
-        per_pos = ", ".join(
-            f"{a / p:.0%}"
-            for a, p in zip(s["spec_accepted_per_position"], s["spec_proposed_per_position"])
-            if p
-        )
+        if s is None or not s.spec_num_proposed:
+            return None
+        positions = zip(s.spec_accepted_per_position, s.spec_proposed_per_position)
+        per_pos = ", ".join(f"{a / p:.0%}" for a, p in positions if p)
         return (
-            f"{self.mode}: speculative acceptance {s['spec_acceptance_rate']:.1%} "
-            f"({s['spec_num_accepted']}/{s['spec_num_proposed']}), mean accepted length "
-            f"{s['spec_mean_accepted_length']:.2f}, by position {per_pos}"
+            f"{self.mode}: speculative acceptance {s.spec_acceptance_rate:.1%} "
+            f"({s.spec_num_accepted}/{s.spec_num_proposed}), mean accepted length "
+            f"{s.spec_mean_accepted_length:.2f}, by position {per_pos}"
         )
+
+    def as_json(self) -> dict[str, Any]:
+        """The figures for --result-json; `spec` holds the spec_* counters ({} without speculation)."""
+        stats = msgspec.structs.asdict(self.spec) if self.spec is not None else {}
+        spec = {k: v for k, v in stats.items() if k.startswith("spec_")}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return fields | {"spec": spec, "output_tps": self.output_tps, "ms_per_step": self.ms_per_step}
 
     @property
     def output_tps(self) -> float:
@@ -109,7 +116,7 @@ def rewrite_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list
     restart = 8
     body = length - len(marker) - restart
     if body < restart:
-        raise ValueError(f"--input-len {length} is too short for the rewrite workload")
+        raise EmberError(f"--input-len {length} is too short for the rewrite workload")
     sources = [
         tokenizer.encode(inspect.getsource(importlib.import_module(m)), add_special_tokens=False)
         for m in REWRITE_SOURCES
@@ -134,12 +141,12 @@ def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingP
 
     with LLM(config=config, show_progress=False) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        steps0 = llm.stats()["num_steps"]
+        steps0 = llm.stats().num_steps
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         stats = llm.stats()
-        steps = stats["num_steps"] - steps0
+        steps = stats.num_steps - steps0
         ready = llm.engine.executor.ready[0]
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     method = config.model.quantization or "none"
@@ -153,19 +160,19 @@ def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingP
         method,
         ready.weight_bytes,
         ready.quantize_seconds,
-        {k: v for k, v in stats.items() if k.startswith("spec_")},
+        stats if config.speculative is not None else None,
     )
 
 
 def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> Result:
     from coreproc.client import AsyncEngineClient
-    from coreproc.launcher import CoreProcess
+    from coreproc.startup.launcher import CoreProcess
 
     core_info = None
-    stats: dict = {}
+    stats = SchedulerStats()
 
     async def drive(address: str) -> tuple[int, float, int]:
-        nonlocal core_info
+        nonlocal core_info, stats
         client = await AsyncEngineClient.connect(address)
         core_info = client.info_cache
         try:
@@ -174,12 +181,12 @@ def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: Sampli
                 return sum([len(o.new_token_ids) async for o in client.generate(p, sp)])
 
             await asyncio.gather(*(one(p, SamplingParams(max_tokens=4)) for p in prompts[:2]))  # warm-up
-            steps0 = (await client.stats())["num_steps"]
+            steps0 = (await client.stats()).num_steps
             start = time.perf_counter()
             produced = await asyncio.gather(*(one(p, params) for p in prompts))
             seconds = time.perf_counter() - start
-            stats.update(await client.stats())
-            return sum(produced), seconds, stats["num_steps"] - steps0
+            stats = await client.stats()
+            return sum(produced), seconds, stats.num_steps - steps0
         finally:
             await client.aclose()
 
@@ -197,12 +204,12 @@ def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: Sampli
         config.model.quantization or "none",
         sum(info.weight_bytes_by_dtype.values()),
         info.quantize_seconds,
-        {k: v for k, v in stats.items() if k.startswith("spec_")},
+        stats if config.speculative is not None else None,
     )
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    from frontend.tokenizer import load_tokenizer
+    from coreproc.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(config.model.tokenizer)
     prompts = workload_prompts(args, tok, config.model.vocab_size, args.num_prompts)
@@ -247,8 +254,6 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         print(f"summary: {b.mode} loses {loss:.1f}% output throughput vs inproc; {overhead:+.2f} ms per step")
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump(
-                [asdict(r) | {"output_tps": r.output_tps, "ms_per_step": r.ms_per_step} for r in results], f
-            )
+            json.dump([r.as_json() for r in results], f)
     sys.stdout.flush()
     return 0

@@ -3,7 +3,7 @@
 ``build_checkpoint`` constructs a real transformers model (Llama, Qwen2, Qwen3 or Mistral) from a
 size preset plus overrides, seeds its weights, and saves a complete offline-loadable folder:
 config.json, safetensors weights (sharded on request), generation_config.json and a BPE tokenizer
-trained on the local standard library. The CLI is ``python -m tools.make_model OUT --arch llama``.
+trained on the local standard library. The CLI is ``python -m frontend.make_model OUT --arch llama``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tools.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
+from coreproc.errors import ConfigError
+from frontend.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
 
 ARCHS: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
@@ -40,7 +41,7 @@ ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "mistra
 
 def _check(cond: bool, message: str) -> None:
     if not cond:
-        raise ValueError(message)
+        raise ConfigError(message)
 
 
 def _perturb_unit_params(model: Any, seed: int) -> None:
@@ -254,8 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for ``python -m tools.make_model``."""
-    parser = argparse.ArgumentParser(prog="python -m tools.make_model", description=__doc__)
+    """Entry point for ``python -m frontend.make_model``."""
+    parser = argparse.ArgumentParser(prog="python -m frontend.make_model", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -31,8 +31,8 @@ UNSUPPORTED_CHAT_OPTIONS = (
     "sanitize_control_tokens",
 )
 # transformers' clean_up_tokenization, in its order (used only if tokenizer_config.json asks, never for BPE)
-CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"))
-CLEAN_UP += ((" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+CLEAN_UP: tuple[tuple[str, str], ...] = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"))
+CLEAN_UP += ((" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 _COMPILED_TEMPLATES_KEPT = 16
 
 
@@ -265,9 +265,9 @@ def _plain(value: Any) -> Any:
     """JSON-like data only: the sandbox must never see the methods of arbitrary objects."""
     if value is None or type(value) in (str, int, float, bool):
         return value
-    for base, cast in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
+    for base in (str, int, float):
         if isinstance(value, base):  # subclasses (enums, ...) back to the base type
-            return cast(value)
+            return base(value)
     if isinstance(value, Mapping):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -376,8 +376,9 @@ def load_tokenizer(path: str) -> Tokenizer:
         type(backend.model).__name__ != "BPE"  # transformers skips it for BPE, which it would corrupt
         or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
     )
-    special_map = {key: _content(token) for key, token in named.items()}
-    return Tokenizer(backend, special_map, [_content(t) for t in extras if _content(t)], template, clean_up)
+    special_map = {key: text for key, token in named.items() if (text := _content(token)) is not None}
+    extra_texts = [text for t in extras if (text := _content(t))]
+    return Tokenizer(backend, special_map, extra_texts, template, clean_up)
 
 
 def eos_token_ids(model_dir: str, tokenizer: Tokenizer) -> list[int]:

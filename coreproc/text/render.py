@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from coreproc.outputs import RequestOutput
-from frontend import openai_protocol as oai
-from frontend import openai_responses as oresp
-from frontend.chat import render_chat
-from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from coreproc.text import openai_protocol as oai
+from coreproc.text import openai_responses as oresp
+from coreproc.text.chat import render_chat
+from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 Prompt = tuple[str | None, list[int]]  # (text, token ids); text is None for token-id prompts
 

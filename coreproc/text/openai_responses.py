@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from coreproc.protocol import FinishReason
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI-compatible servers clamp here
 
 
-def openai_finish_reason(reason: str | None) -> str | None:
+def openai_finish_reason(reason: FinishReason | None) -> FinishReason | None:
     """Engine finish reasons pass through as vLLM reports them: stop, length, abort, error."""
     return reason
 
@@ -183,7 +184,7 @@ def chat_delta(
     role: str | None = None,
     content: str | None = None,
     logprobs: dict | None = None,
-    finish_reason: str | None = None,
+    finish_reason: FinishReason | None = None,
 ) -> dict[str, Any]:
     """A chat chunk's choice: the first carries the role, later ones content deltas."""
     delta: dict[str, Any] = {}

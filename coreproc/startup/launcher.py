@@ -1,7 +1,7 @@
 """Starts an `ember-core` process (which starts its workers) and waits for its typed READY.
 
 Runs in the process that needs an engine behind a socket: the HTTP frontend, tests, benchmarks.
-It creates the launch's private runtime directory (0700), starts `python -m coreproc.boot core`
+It creates the launch's private runtime directory (0700), starts `python -m coreproc.startup.boot core`
 (coreproc.core_proc, collector paused while it starts) with the config as JSON on stdin, and waits
 for `CoreReady` on a one-shot socket, with a timeout, watching the child. `stop()` sends SIGTERM
 (graceful), then kills what is left and removes the directory.
@@ -20,12 +20,18 @@ import msgspec
 import zmq
 
 from coreproc.config import EngineConfig
+from coreproc.errors import EmberError
 from coreproc.ipc import Codec, ipc_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.protocol import CoreReady
 
 
 class EngineStartError(RuntimeError):
     """The core process could not start; the message says why."""
+
+
+class EngineRefused(EmberError):
+    """The core refused to start for a reason the user can fix (a flag that does not fit the model,
+    a checkpoint that does not match its config); the message says which."""
 
 
 class CoreProcess:
@@ -47,13 +53,14 @@ class CoreProcess:
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.bind(ready_endpoint)
-        cmd = [sys.executable, "-m", "coreproc.boot", "core", "--listen", listen]
+        cmd = [sys.executable, "-m", "coreproc.startup.boot", "core", "--listen", listen]
         cmd += ["--runtime-dir", str(self.runtime_dir), "--ready-endpoint", ready_endpoint]
         cmd += ["--shutdown-timeout", str(shutdown_timeout), "--parent-pid", str(os.getpid())]
         cmd += ["--client-timeout", str(client_timeout)]
         if curve_keys is not None:
             cmd += ["--curve-keys", str(curve_keys)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=False)
+        assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(msgspec.json.encode(config))
             self.proc.stdin.close()
@@ -66,7 +73,7 @@ class CoreProcess:
             ctx.term()
         if ready.error:
             self.stop(grace=0)
-            raise EngineStartError(ready.error)
+            raise EngineRefused(ready.error) if ready.user_error else EngineStartError(ready.error)
         self.address = ready.address
 
     def _wait_ready(self, pull: zmq.Socket, timeout: float) -> CoreReady:

@@ -54,7 +54,9 @@ class ForkedProcess:
         if self.returncode is None:
             if not select.select([self.fd], [], [], timeout)[0]:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
-        return self.poll() if self.returncode is None else self.returncode
+        self.poll()
+        assert self.returncode is not None, "a pidfd that polled readable has exited"
+        return self.returncode
 
     def kill(self) -> None:
         if self.poll() is None:
@@ -68,8 +70,8 @@ class ForkedProcess:
 def _zygote(config: EngineConfig) -> Path | None:
     if config.load.load_format != "ipc_cache" or not config.load.worker_zygote:
         return None
+    from coreproc.startup.zygote import ZYGOTE_SOCKET
     from workers.weight_cache.fingerprint import default_socket_dir
-    from workers.weight_cache.zygote import ZYGOTE_SOCKET
 
     path = (Path(config.load.socket_dir) if config.load.socket_dir else default_socket_dir()) / ZYGOTE_SOCKET
     return path if path.exists() else None
@@ -104,7 +106,7 @@ def _fork_from(path: Path, argv: list[str], config_json: bytes) -> ForkedProcess
 def spawn_worker(
     config: EngineConfig, argv: list[str], config_json: bytes
 ) -> subprocess.Popen | ForkedProcess:
-    """A worker process running `workers.worker_proc` with `argv` (through coreproc.boot when fresh)."""
+    """A worker process running `workers.worker_proc` with `argv` (via coreproc.startup.boot when fresh)."""
     zygote = _zygote(config)
     if zygote is not None:
         try:
@@ -112,8 +114,11 @@ def spawn_worker(
         except (OSError, ConnectionError, RuntimeError) as e:
             log.warning("the worker zygote at %s failed (%s); starting a fresh process", zygote, e)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coreproc.boot", "worker", *argv], stdin=subprocess.PIPE, env=worker_env()
+        [sys.executable, "-m", "coreproc.startup.boot", "worker", *argv],
+        stdin=subprocess.PIPE,
+        env=worker_env(),
     )
+    assert proc.stdin is not None
     proc.stdin.write(config_json)
     proc.stdin.close()
     return proc

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from frontend.openai_protocol import ChatMessage, RequestError
+from coreproc.text.openai_protocol import ChatMessage, RequestError
 
 TEXT_ONLY = "only text content is supported so far"
 

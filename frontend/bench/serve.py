@@ -5,7 +5,7 @@ Sends streaming /v1/completions or /v1/chat/completions requests (random, shared
 prompts; Poisson arrivals; optional concurrency cap), times every SSE chunk, and prints one summary
 line plus a table of TTFT, TPOT, ITL and end-to-end latency (mean, median, std, percentiles), request
 and token throughput, goodput under SLOs and the prefix-cache hit rate (from Ember's /metrics counters,
-when present). Metric math, table and plot live in `tools/bench_serve_report.py`.
+when present). Metric math, table and plot live in `frontend/bench/serve_report.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tools.bench_serve_report import RequestRecord, compute_metrics, format_table, parse_counters, write_plot
+from frontend.bench.serve_report import (
+    RequestRecord,
+    compute_metrics,
+    format_table,
+    parse_counters,
+    write_plot,
+)
 
 __all__ = ["BenchServeConfig", "RequestRecord", "add_arguments", "compute_metrics", "main", "run_benchmark"]
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from coreproc.config import ConfigError, EngineConfig
 from coreproc.protocol import SamplingParams
-from tools.bench_throughput import add_workload_arguments, workload_prompts
+from frontend.bench.throughput import add_workload_arguments, workload_prompts
 
 if TYPE_CHECKING:
     from coreproc.llm import LLM
@@ -112,11 +112,11 @@ def time_request(llm: LLM, prompt: list[int], params: SamplingParams, device: st
     for delta in llm.stream(prompt, params):
         if delta.token_ids and ttft is None:
             ttft = time.perf_counter() - start
-            steps0 = llm.stats()["num_steps"]
+            steps0 = llm.stats().num_steps
         produced += len(delta.token_ids)
     _sync(device)
     latency = time.perf_counter() - start
-    steps = llm.stats()["num_steps"] - steps0
+    steps = llm.stats().num_steps - steps0
     return Iteration(latency, ttft if ttft is not None else latency, produced, steps)
 
 

@@ -4,7 +4,7 @@ Importing torch and building an engine allocate a few hundred thousand long-live
 full collection meanwhile walks all of them (~0.1 s each here, three during `import torch` alone).
 So start-up runs with the collector off; once the engine is up, `settle()` freezes everything alive
 (later collections skip those objects, which also keeps serving steps free of long pauses) and turns
-collection back on. `python -m coreproc.boot core|worker ARGS` starts the core or a worker process
+collection back on. `python -m coreproc.startup.boot core|worker ARGS` starts the core or a worker process
 with the collector off from its first import; `paused()` turns it off around a block of code (the
 in-process `LLM` only pauses: a library user may build and drop several engines in one process).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,23 +43,22 @@ def paused() -> Iterator[None]:
             gc.enable()
 
 
+ROLES = {
+    "core": "coreproc.core_proc",
+    "worker": "workers.worker_proc",
+}  # named, not imported: boot sits below both
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`python -m coreproc.boot core ARGS` (coreproc.core_proc) or `worker ARGS` (workers.worker_proc)."""
+    """`python -m coreproc.startup.boot core|worker ARGS`: the role's `main(ARGS)`, collector off."""
     argv = sys.argv[1:] if argv is None else argv
-    gc.disable()  # the role's process calls settle() once its engine or model is up
     role, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if role == "core":
-        from coreproc.core_proc import main as core_main
-
-        return core_main(rest)
-    if role == "worker":
-        from workers.worker_proc import main as worker_main
-
-        worker_main(rest)
-        return 0
-    gc.enable()
-    print("usage: python -m coreproc.boot core|worker ARGS", file=sys.stderr)
-    return 2
+    if role not in ROLES:
+        print("usage: python -m coreproc.startup.boot core|worker ARGS", file=sys.stderr)
+        return 2
+    gc.disable()  # the role's process calls settle() once its engine or model is up
+    status = importlib.import_module(ROLES[role]).main(rest)
+    return status if isinstance(status, int) else 0
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ from typing import Any, Literal
 
 import msgspec
 
+from coreproc.errors import EmberError
 from coreproc.limits import RequestLimits
 from coreproc.protocol import InvalidParam, SamplingParams
 
 MAX_LOGPROBS = 20
 
 
-class RequestError(ValueError):
+class RequestError(EmberError, ValueError):
     """A request a client can fix; `error_body()` is the OpenAI error object sent back."""
 
     def __init__(
@@ -265,6 +266,7 @@ def to_sampling_params(
 ) -> SamplingParams:
     """The engine's sampling parameters for one prompt of `prompt_len` tokens (validated)."""
     chat = isinstance(req, ChatCompletionRequest)
+    logprobs: int | None
     prompt_param = "messages" if chat else "prompt"
     if prompt_len >= max_model_len:
         raise RequestError(
@@ -272,7 +274,7 @@ def to_sampling_params(
             f"{prompt_len} input tokens. Please reduce the length of the {prompt_param}.",
             prompt_param,
         )
-    if chat:
+    if isinstance(req, ChatCompletionRequest):
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = _or(req.max_completion_tokens, req.max_tokens)
         if req.top_logprobs is not None and not req.logprobs:

@@ -117,7 +117,7 @@ def serve(socket_file: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from setproctitle import setproctitle
 
-    p = argparse.ArgumentParser(prog="python -m workers.weight_cache.zygote")
+    p = argparse.ArgumentParser(prog="python -m coreproc.startup.zygote")
     p.add_argument("--socket-dir", required=True)
     args = p.parse_args(argv)
     setproctitle("ember-zygote")

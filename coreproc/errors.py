@@ -1,0 +1,33 @@
+"""Errors a user can fix, and the one base class they share.
+
+Part of the shared base (imports nothing of Ember), raised in every process. An `EmberError`'s message
+is one line meant for the user: the `ember` command prints it and exits 2, the HTTP server answers 400.
+Any other exception is a bug or a failure of the machine: the command prints its traceback, exits 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+class EmberError(Exception):
+    """Something the user can fix (a flag, a file, a request); the message says what, in one line."""
+
+
+class ConfigError(EmberError, ValueError):
+    """A configuration value is wrong."""
+
+
+def run_command(name: str, func: Callable[[], int], debug: bool = False) -> int:
+    """A command's exit status: its own; 2 with one line on stderr for an `EmberError` (its traceback
+    too with `debug`); 130 on Ctrl-C. Any other exception propagates (traceback, status 1)."""
+    try:
+        return func()
+    except KeyboardInterrupt:
+        return 130
+    except EmberError as e:
+        if debug:
+            raise
+        print(f"{name}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,152 @@
+"""What a checkpoint folder says: `ModelConfig`, read once from config.json (and the tokenizer's EOS).
+
+Part of the shared base (coreproc.config builds the rest of the engine's configuration around it).
+The architectures and quantization methods named here are those the workers build
+(workers.models, workers.quant; tests/test_layout.py keeps the lists equal).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from coreproc.errors import ConfigError
+from coreproc.host import default_model_dir
+from coreproc.options import option
+
+log = logging.getLogger("ember.config")
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+# the model classes live in workers.models (torch); their names are what the config may accept
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+QUANTIZATION_METHODS = ("fp8_per_tensor", "int8", "int4")  # built by workers.quant
+QUANTIZATION_ALIASES = {"fp8": "fp8_per_tensor"}
+
+
+def resolve_quantization(name: str | None) -> str | None:
+    """The canonical method name (None: no quantization); ConfigError for unknown names."""
+    if name is None or name in ("", "none"):
+        return None
+    if name in QUANTIZATION_ALIASES:
+        log.warning("--quantization %s is an alias for %s", name, QUANTIZATION_ALIASES[name])
+        return QUANTIZATION_ALIASES[name]
+    if name not in QUANTIZATION_METHODS:
+        supported = ", ".join([*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES])
+        raise ConfigError(f"unknown quantization method {name!r}; supported: {supported}")
+    return name
+
+
+def one_of(value: Any, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The checkpoint and what we read from its config.json (read once, here)."""
+
+    model: str = option(
+        "checkpoint folder (default: the bundled model)", derived=True, dest="model_flag", metavar="DIR"
+    )
+    dtype: Dtype = option(
+        "compute dtype; auto: the checkpoint's, or float32 on a CPU that would only emulate it", "auto"
+    )
+    max_model_len: int = option("context length (default: the model's max_position_embeddings)", derived=True)
+    seed: int = option("seed of sampling and random weights", 0)
+    quantization: str | None = option(
+        "quantize weights while loading: fp8_per_tensor (alias fp8), int8, int4",
+        None,
+        short="-q",
+        choices=(*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES, "none"),
+    )
+    revision: str | None = option("your name for this checkpoint version (part of the cache key)", None)
+    architecture: str
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    tokenizer: str
+    eos_token_ids: tuple[int, ...] = ()  # generation_config.json's, then the tokenizer's EOS token
+
+    @classmethod
+    def from_dir(
+        cls,
+        model: str | os.PathLike | None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+        quantization: str | None = None,
+        revision: str | None = None,
+    ) -> ModelConfig:
+        """Read config.json. dtype "auto" takes the checkpoint's, except that on a CPU that would only
+        emulate it (`cpu_has_fast_half`) it computes in float32 (emulated bf16 is many times slower)."""
+        from coreproc.host import cpu_has_fast_half
+        from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
+
+        path = Path(model) if model is not None else default_model_dir()
+        if not path.is_dir():
+            raise ConfigError(f"model directory not found: {path}")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"{path} has no config.json (is it a Hugging Face checkpoint folder?)")
+        if not any(path.glob("*.safetensors")):
+            raise ConfigError(f"{path} holds no *.safetensors weights")
+        hf = json.loads(cfg_file.read_text())
+        quantization = resolve_quantization(quantization)
+        if hf.get("quantization_config"):
+            method = hf["quantization_config"].get("quant_method", "unknown")
+            raise ConfigError(f"{path} is a pre-quantized checkpoint ({method}); Ember does not load those")
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or '(none given)'} in {cfg_file}; "
+                f"supported: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        one_of(dtype, DTYPES, "dtype")
+        if dtype == "auto":
+            dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
+            if dtype not in DTYPES:
+                dtype = "float32"
+            if dtype != "float32" and device == "cpu" and not cpu_has_fast_half(dtype):
+                dtype = "float32"
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        limit = int(hf.get("max_position_embeddings") or 2048)
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len < 2:
+            raise ConfigError("max_model_len must be at least 2")
+        elif max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}"
+            )
+        try:
+            eos = eos_token_ids(str(path), load_tokenizer(str(path)))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return cls(
+            model=str(path),
+            architecture=arch,
+            dtype=dtype,  # type: ignore[arg-type]  # checked against DTYPES above
+            max_model_len=max_model_len,
+            vocab_size=int(hf["vocab_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            hidden_size=hidden,
+            tokenizer=str(path),
+            eos_token_ids=tuple(eos),
+            seed=seed,
+            quantization=quantization,
+            revision=revision,
+        )

@@ -1,0 +1,149 @@
+"""Engine settings said once: a config field's type, default, help and CLI spelling, as field metadata.
+
+Imported in every process (part of the shared base: it imports nothing of Ember). A field declared with
+`option(...)` is an engine setting: `add_arguments` derives the argparse flags of every command that
+builds an engine from it (type and `Literal` choices from the annotation, booleans as --x / --no-x),
+`collect` turns parsed arguments into the flat keywords that `EngineConfig.create` and `LLM(...)`
+take, and `defaults` is the one place defaults come from. A `derived` option has no dataclass default:
+left unset (None), `EngineConfig.create` derives it from the model (its help says how).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+# a dataclass default of MISSING: the field is required when the dataclass is built directly
+MISSING: Any = dataclasses.MISSING
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one config field appears to users."""
+
+    help: str
+    keyword: str = ""  # the `create()` / `LLM()` keyword; default: the field name
+    flag: str = ""  # default: --keyword-with-dashes
+    short: str | None = None
+    default: Any = None  # what the CLI and `create()` use when the user says nothing
+    derived: bool = False  # None means "derived from the model by EngineConfig.create"
+    choices: tuple[Any, ...] | None = None  # beyond a Literal annotation (e.g. aliases)
+    metavar: str | None = None
+    hidden: bool = False  # set by Ember's own tools (e.g. `ember snapshot`), not shown in --help
+    dest: str = ""  # argparse destination; default: the keyword
+
+
+def option(
+    help: str,
+    default: Any = MISSING,
+    *,
+    derived: bool = False,
+    factory: Callable[[], Any] | None = None,
+    **kw: Any,
+) -> Any:
+    """A dataclass field that is an engine setting. `derived=True`: required in the dataclass, None
+    (derive it) for users."""
+    if derived:
+        assert default is MISSING, "a derived option has no default of its own"
+        return dataclasses.field(metadata={"option": Option(help, derived=True, **kw)})
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"option": Option(help, **kw)})
+    return dataclasses.field(default=default, metadata={"option": Option(help, default=default, **kw)})
+
+
+@dataclass(frozen=True)
+class Setting:
+    """An option as bound to its section's field (what the CLI, `create()` and tests walk)."""
+
+    section: str
+    field: str
+    option: Option
+    annotation: Any
+
+    @property
+    def keyword(self) -> str:
+        return self.option.keyword or self.field
+
+    @property
+    def flag(self) -> str:
+        return self.option.flag or "--" + self.keyword.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return self.option.dest or self.keyword
+
+    @property
+    def default(self) -> Any:
+        return None if self.option.derived else self.option.default
+
+
+def settings(sections: tuple[tuple[str, type], ...]) -> Iterator[Setting]:
+    """Every option of the given (title, dataclass) sections, in declaration order."""
+    for title, cls in sections:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            opt = f.metadata.get("option")
+            if opt is not None:
+                yield Setting(title, f.name, opt, hints[f.name])
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; Literal and tuple annotations are returned as they are."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        assert len(args) == 1, f"an option has one type besides None, got {annotation}"
+        return args[0]
+    return annotation
+
+
+def _argparse_kwargs(s: Setting) -> dict[str, Any]:
+    base = _base_type(s.annotation)
+    kw: dict[str, Any] = {"dest": s.dest, "default": s.default}
+    shown = "" if s.default in (None, (), "") or s.option.derived else " [%(default)s]"
+    kw["help"] = argparse.SUPPRESS if s.option.hidden else s.option.help.replace("%", "%%") + shown
+    if s.option.metavar:
+        kw["metavar"] = s.option.metavar
+    if base is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+        return kw
+    if typing.get_origin(base) is Literal:
+        kw["choices"] = list(typing.get_args(base))
+        kw["type"] = type(kw["choices"][0])
+    elif typing.get_origin(base) is tuple:
+        kw["nargs"] = "*"
+    elif base in (int, float, str):
+        kw["type"] = base
+    else:  # structured values (JSON text on the command line), parsed by `create()`
+        kw["type"] = str
+    if s.option.choices is not None:
+        kw["choices"] = list(s.option.choices)
+    return kw
+
+
+def add_arguments(parser: argparse.ArgumentParser, sections: tuple[tuple[str, type], ...]) -> None:
+    """One argument group per section, one flag per option."""
+    groups: dict[str, Any] = {}
+    for s in settings(sections):
+        if s.section not in groups:
+            groups[s.section] = parser.add_argument_group(s.section)
+        flags = [s.flag] + ([s.option.short] if s.option.short else [])
+        groups[s.section].add_argument(*flags, **_argparse_kwargs(s))
+
+
+def collect(args: argparse.Namespace, sections: tuple[tuple[str, type], ...]) -> dict[str, Any]:
+    """The parsed options as `create()` keywords (lists from nargs flags become tuples)."""
+    out = {}
+    for s in settings(sections):
+        value = getattr(args, s.dest)
+        out[s.keyword] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def defaults(sections: tuple[tuple[str, type], ...]) -> dict[str, Any]:
+    """Every option's default by keyword (None for derived ones)."""
+    return {s.keyword: s.default for s in settings(sections)}

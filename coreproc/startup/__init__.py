@@ -1,0 +1,18 @@
+"""Process start-up, in one place: who starts whom, and how each process comes up.
+
+The process tree of `ember serve` (every name is the process title):
+
+    ember (frontend: HTTP, tokenizer)          launcher.CoreProcess -> python -m coreproc.startup.boot core
+      └─ ember-core (scheduler, engine core)  spawn.spawn_worker   -> python -m coreproc.startup.boot worker
+           └─ ember-worker-<rank> ...          (or forked by ember-zygote, see below)
+
+    ember-preload (`ember preload`, separate)  workers.weight_cache.preload
+      ├─ ember-preload-<role>-dp<d>-tp<t> (weight-cache daemons, one per rank)
+      └─ ember-zygote (zygote.py): forks ember-worker-<rank> for engines that ask, torch pre-imported
+
+`ember core` runs the core in the user's process; the offline `LLM` and `ember batch` run the engine
+core in-process (workers in-process or spawned as above). `boot` is the first module of every fresh
+core or worker interpreter: it turns the garbage collector off before the heavy imports, and the role's
+`main` calls `boot.settle()` once its engine or model is up. Modules here import no frontend code;
+`boot` imports nothing of Ember (it names the role modules as strings) so every layer may use it.
+"""

@@ -1,0 +1,45 @@
+"""HTTP-side settings of `ember serve`, declared once (coreproc.options): the `server` flags, defaults.
+
+Runs in the frontend process; imports neither starlette nor torch, so building the CLI stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from coreproc import options
+from coreproc.options import option
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the HTTP server listens on, whom it lets in, and how it treats slow clients."""
+
+    host: str = option("address to bind (loopback unless you say otherwise)", "127.0.0.1")
+    port: int = option("TCP port (0 picks a free one)", 8000)
+    served_model_name: str | None = option("model name in the API (default: the folder name)", None)
+    api_key: str | None = option("require this bearer key on /v1 routes", None)
+    allowed_origins: tuple[str, ...] = option("CORS origins (e.g. '*'; default: none)", ())
+    max_request_bytes: int = option("largest request body (413 beyond)", 16 * 2**20)
+    chat_template: str | None = option("a Jinja template file (or text) to override the model's", None)
+    max_stream_buffer_tokens: int = option(
+        "a streaming client that leaves more tokens than this unread is cut off (its request aborted)", 16384
+    )
+    stream_send_timeout: float = option(
+        "seconds a streaming client may take to accept one chunk before it is cut off", 60.0
+    )
+    shutdown_timeout: float = option("on SIGTERM, seconds running requests may take to finish", 30.0)
+
+
+SERVER_SECTIONS: tuple[tuple[str, type], ...] = (("server", ServerConfig),)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    options.add_arguments(p, SERVER_SECTIONS)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    values = options.collect(args, SERVER_SECTIONS)
+    return ServerConfig(**{f.name: values[f.name] for f in dataclasses.fields(ServerConfig)})
