@@ -186,7 +186,7 @@ class AsyncEngineClient:
                 event = parse_monitor_message(await self.monitor.recv_multipart())
             except zmq.ZMQError:
                 return
-            reason = _FATAL_EVENTS.get(event["event"])
+            reason = _FATAL_EVENTS.get(zmq.Event(event["event"]))
             if reason is not None:
                 self._die(reason)
 
@@ -304,7 +304,7 @@ class AsyncEngineClient:
             await self._send(SubmitRequests(requests))
             while open_ids:
                 item = await stream.get()
-                if isinstance(item, Exception):
+                if isinstance(item, BaseException):
                     _settle(admitted, item)
                     raise item
                 if item.finish_reason == "error":

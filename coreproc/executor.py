@@ -62,11 +62,13 @@ class InprocExecutor:
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         from workers.worker import Worker
 
-        self.worker = Worker(config)
-        self.ready = [self.worker.load(show_progress)]
+        worker = Worker(config)
+        self.ready = [worker.load(show_progress)]
+        self.worker: Worker | None = worker  # None once shut down (its memory freed)
         self._result: RunnerOutput | None = None
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
+        assert self.worker is not None, "submit() after shutdown()"
         self._result = self.worker.execute_model(scheduler_output)
 
     def wait(self) -> RunnerOutput:

@@ -299,8 +299,8 @@ class Scheduler:
         )
         self._forget = []
         for req in self.running:
-            n = scheduled.get(req.request_id)
-            if n is None:
+            num = scheduled.get(req.request_id)  # (not `n`: that name holds an int above)
+            if num is None:
                 continue
             if req.in_workers:
                 out.cached_requests.append(
@@ -320,9 +320,9 @@ class Scheduler:
                 )
                 req.in_workers = True
             num_spec = len(spec_tokens.get(req.request_id, ()))
-            if self._samples(req, n - num_spec):
+            if self._samples(req, num - num_spec):
                 req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
-            req.num_computed_tokens += n  # proposals included: rejected ones roll back in update_from_output
+            req.num_computed_tokens += num  # with proposals: rejected ones roll back in update_from_output
         self.num_steps += 1
         return out
 

@@ -208,3 +208,11 @@ def test_serve_help_lists_each_engine_option_once_with_its_group_and_default() -
     for title, _ in ENGINE_SECTIONS:
         assert f"\n{title}:\n" in text
     assert "[256]" in text and "[fcfs]" in text  # defaults are shown
+
+
+@pytest.mark.unit
+def test_llm_refuses_an_unknown_policy_before_building_anything() -> None:
+    from coreproc import LLM
+
+    with pytest.raises(ConfigError, match="unknown scheduling policy 'lifo'; choose one of fcfs, priority"):
+        LLM(scheduling_policy="lifo")

@@ -66,7 +66,7 @@ def completion_logprobs(
     offset = start_offset
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid) if pos else None
-        if chosen is None:
+        if chosen is None or pos is None:
             text = decode(tid) if decode else ""
             token_logprobs.append(None)
             top.append(None)
@@ -116,7 +116,8 @@ def completion_choices(
     for out in result.outputs:
         lp = None
         if logprobs is not None:
-            ids, positions = out.token_ids, list(out.logprobs or [])
+            ids = out.token_ids
+            positions: list[PositionLogprobs | None] = list(out.logprobs or [])
             if echo:
                 prompt_lps = result.prompt_logprobs or [None] * len(result.prompt_token_ids)
                 ids, positions = result.prompt_token_ids + ids, list(prompt_lps) + positions

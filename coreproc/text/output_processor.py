@@ -173,8 +173,11 @@ class OutputProcessor:
         """Add the sequences of one API request's prompts ((request id, text, token ids, params) each)
         to `engine` (an `EngineCore`) together, and register them. If the engine refuses them
         (`InvalidParam`, `QueueFull`), nothing was added or registered and the error propagates."""
-        kw = dict(eos_token_ids=eos_token_ids, priority=priority, cache_salt=cache_salt)
-        built = [(rid, text, ids, self.engine_requests(rid, ids, p, **kw)) for rid, text, ids, p in prompts]
+        built = [
+            (rid, text, ids, self.engine_requests(rid, ids, p, eos_token_ids=eos_token_ids, priority=priority,
+                                                  cache_salt=cache_salt))
+            for rid, text, ids, p in prompts
+        ]  # fmt: skip
         engine.add_requests([er for *_, ers in built for er in ers])
         first_choice = 0
         for rid, text, ids, ers in built:
@@ -185,19 +188,14 @@ class OutputProcessor:
         """Abort whatever of a request still runs in `engine` and forget it."""
         engine.abort_requests(self.discard(request_id))
 
-    def _convert(self, entries: list[TokenLogprobs | None]) -> list[PositionLogprobs | None]:
-        out: list[PositionLogprobs | None] = []
-        for e in entries:
-            if e is None:
-                out.append(None)
-                continue
-            pos: PositionLogprobs = {}
-            for j, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs)):
-                if tid not in pos:
-                    rank = e.rank if j == 0 else j
-                    pos[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
-            out.append(pos)
-        return out
+    def _convert(self, e: TokenLogprobs) -> PositionLogprobs:
+        """One position: the chosen token (its rank) first, then the top alternatives."""
+        pos: PositionLogprobs = {}
+        for j, (tid, lp) in enumerate(zip(e.token_ids, e.logprobs)):
+            if tid not in pos:
+                rank = e.rank if j == 0 else j
+                pos[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+        return pos
 
     def process(self, outputs: list[EngineOutput]) -> tuple[list[SequenceDelta], list[str]]:
         """Apply engine outputs; returns sequence deltas and engine ids to abort (stop strings)."""
@@ -210,14 +208,16 @@ class OutputProcessor:
             out, parent = seq.output, seq.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, eo.num_cached_tokens)
             if eo.new_prompt_logprobs and parent.prompt_logprobs is not None:
-                parent.prompt_logprobs.extend(self._convert(eo.new_prompt_logprobs))
+                parent.prompt_logprobs.extend(
+                    None if e is None else self._convert(e) for e in eo.new_prompt_logprobs
+                )
             stop = seq.detok.update(eo.new_token_ids)
             used = seq.detok.tokens_used  # several tokens in one output (speculation): none past a stop
             new_ids, new_raw_lps = eo.new_token_ids[:used], eo.new_logprobs[:used]
             out.token_ids.extend(new_ids)
             out.cumulative_logprob += sum(lp.logprobs[0] for lp in new_raw_lps)
-            new_lps = self._convert(new_raw_lps) if seq.want_logprobs else None
-            if new_lps is not None:
+            new_lps = [self._convert(e) for e in new_raw_lps] if seq.want_logprobs else None
+            if new_lps is not None and out.logprobs is not None:
                 out.logprobs.extend(new_lps)
             if stop is not None:
                 out.finish_reason, out.stop_reason = "stop", stop
@@ -225,9 +225,10 @@ class OutputProcessor:
                     to_abort.append(eo.request_id)
             elif eo.finished:
                 out.finish_reason, out.stop_reason = eo.finish_reason, eo.stop_reason
-            text = seq.detok.delta(seq.finished)
+            finished = out.finish_reason is not None  # (not seq.finished: narrowed to False above)
+            text = seq.detok.delta(finished)
             out.text += text
-            if seq.finished:
+            if finished:
                 del self.sequences[eo.request_id]
             deltas.append(
                 SequenceDelta(

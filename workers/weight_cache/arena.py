@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 from coreproc.protocol import CacheTensor
+from workers.quant.base import QuantLayer
 
 ALIGN = 64
 
+MAPPING_ATTR = "weight_mapping"  # the model attribute holding the mapping its CPU tensors live in
 
 def span_elements(shape: list[int] | tuple[int, ...], stride: list[int] | tuple[int, ...]) -> int:
     """Elements of storage a strided tensor covers."""
@@ -60,7 +62,18 @@ def named_tensors(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor]]
 
 
 def module_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
-    return {name: dict(m.quant_attrs) for name, m in model.named_modules() if getattr(m, "quant_attrs", None)}
+    """Each quantized layer's non-empty `quant_attrs`, by module name."""
+    return {
+        name: dict(m.quant_attrs)
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLayer) and getattr(m, "quant_attrs", None)
+    }
+
+
+def keep_mapping(model: nn.Module, mm: mmap.mmap) -> None:
+    """Keep `mm` mapped as long as `model` lives (as its `weight_mapping` attribute), replacing (and so
+    releasing) the one held before."""
+    setattr(model, MAPPING_ATTR, mm)  # not a tensor or module: a plain attribute of the model
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -100,8 +113,8 @@ class CpuArena:
 
 def map_to_file(model: nn.Module, path: str) -> mmap.mmap:
     """Move `model`'s parameters into the file at `path` (written, synced, then mapped copy-on-write
-    like `import_cpu`), so they are file pages rather than anonymous memory. The mapping is kept as
-    `model.weight_mapping`, replacing (and so releasing) a preload cache's mapping."""
+    like `import_cpu`), so they are file pages rather than anonymous memory. The mapping is kept with
+    the model (`keep_mapping`), replacing (and so releasing) a preload cache's mapping."""
     entries, aliases = named_tensors(model)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -112,7 +125,7 @@ def map_to_file(model: nn.Module, path: str) -> mmap.mmap:
     finally:
         os.close(fd)
     repoint(model, views, aliases)
-    model.weight_mapping = mm
+    keep_mapping(model, mm)
     return mm
 
 
@@ -128,7 +141,7 @@ def export_cuda(entries: list[tuple[str, str, torch.Tensor]]) -> list[CacheTenso
                 list(t.shape),
                 list(t.stride()),
                 dtype_name(t.dtype),
-                t.storage_offset(),
+                int(t.storage_offset()),
                 0,
                 fields,
             )
@@ -160,18 +173,20 @@ def install(
     model: nn.Module, tensors: dict[str, torch.Tensor], specs: list[CacheTensor], aliases: dict[str, str]
 ) -> None:
     """Put imported tensors into a model built on the meta device (parameters stay frozen)."""
-    objects: dict[str, torch.Tensor] = {}
+    params: dict[str, nn.Parameter] = {}
+    buffers: dict[str, torch.Tensor] = {}
     for s in specs:
-        t = tensors[s.name]
-        objects[s.name] = nn.Parameter(t, requires_grad=False) if s.kind == "param" else t
-    kinds = {s.name: s.kind for s in specs}
+        if s.kind == "param":
+            params[s.name] = nn.Parameter(tensors[s.name], requires_grad=False)
+        else:
+            buffers[s.name] = tensors[s.name]
     for name, target in [(s.name, s.name) for s in specs] + list(aliases.items()):
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        if kinds[target] == "param":
-            owner._parameters[leaf] = objects[target]  # tied names share one Parameter
+        if target in params:
+            owner._parameters[leaf] = params[target]  # tied names share one Parameter
         else:
-            owner._buffers[leaf] = objects[target]
+            owner._buffers[leaf] = buffers[target]
 
 
 def repoint(model: nn.Module, views: dict[str, torch.Tensor], aliases: dict[str, str]) -> None:
@@ -180,6 +195,8 @@ def repoint(model: nn.Module, views: dict[str, torch.Tensor], aliases: dict[str,
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         if leaf in owner._parameters:
-            owner._parameters[leaf].data = view
+            param = owner._parameters[leaf]
+            assert param is not None, f"{name} is listed as a tensor but its parameter is None"
+            param.data = view
         else:
             owner._buffers[leaf] = view

@@ -22,7 +22,8 @@ from coreproc.config import EngineConfig
 from coreproc.protocol import CacheReply, CacheRequest
 from kernels import AttentionBackend
 from workers.parallel import TPGroup
-from workers.weight_cache.arena import import_cpu, import_cuda, install
+from workers.quant.base import QuantLayer
+from workers.weight_cache.arena import import_cpu, import_cuda, install, keep_mapping
 from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
 from workers.weight_cache.fingerprint import (
     default_socket_dir,
@@ -138,12 +139,17 @@ def load_from_cache(
     )
     install(model, tensors, reply.tensors, reply.aliases)
     for name, attrs in reply.module_attrs.items():
-        model.get_submodule(name).quant_attrs = attrs
+        layer = model.get_submodule(name)
+        if not isinstance(layer, QuantLayer):
+            raise CacheUnavailable(f"the cache has quantization attributes for {name}, not a quantized layer")
+        layer.quant_attrs = attrs
     for module in model.modules():
-        if hasattr(module, "materialize"):
-            module.materialize(device)
+        materialize = getattr(module, "materialize", None)  # layers with derived buffers (rotary)
+        if materialize is not None:
+            materialize(device)
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise CacheUnavailable(f"the cache lacks {len(missing)} tensors (first: {missing[0]})")
-    model.weight_mapping = mapping  # keeps the shared memory mapped as long as the model lives
+    if mapping is not None:
+        keep_mapping(model, mapping)  # keeps the shared memory mapped as long as the model lives
     return model.eval()

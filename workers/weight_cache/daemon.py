@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 
 import msgspec
 import torch
@@ -176,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         report.close()
         ctx.term()
         return 1
-    signal.signal(signal.SIGTERM, lambda *_: (daemon.close(), os._exit(0)))
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        daemon.close()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     ready.socket, ready.weight_bytes, ready.seconds = (
         str(daemon.socket_file),
         daemon.weight_bytes,

@@ -119,16 +119,17 @@ class Launcher:
 
     def start(self, timeout: float) -> None:
         env = dict(os.environ)
-        zygote = [sys.executable, "-m", "coreproc.startup.zygote", "--socket-dir", str(self.directory)]
+        zygote_cmd = [sys.executable, "-m", "coreproc.startup.zygote", "--socket-dir", str(self.directory)]
         # the zygote's children are engine workers: OpenMP's default (briefly spinning) wait policy
-        self.zygote = subprocess.Popen(zygote, stdout=subprocess.PIPE, text=True, env=env)
+        self.zygote = zygote = subprocess.Popen(zygote_cmd, stdout=subprocess.PIPE, text=True, env=env)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the daemons only hold memory once loaded
         for p in self.places:
             cmd = [sys.executable, "-m", "workers.weight_cache.daemon", "--role", p.role]
             cmd += ["--tp-rank", str(p.tp_rank), "--socket", str(p.socket), "--ready-endpoint", self.endpoint]
-            p.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
-            p.proc.stdin.write(msgspec.json.encode(p.config))
-            p.proc.stdin.close()
+            p.proc = proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
+            assert proc.stdin is not None, "stdin=PIPE gives the daemon a pipe"
+            proc.stdin.write(msgspec.json.encode(p.config))
+            proc.stdin.close()
         codec, deadline = Codec((DaemonReady,)), time.monotonic() + timeout
         by_key = {(p.role, p.config.parallel.data_parallel_rank, p.tp_rank): p for p in self.places}
         while any(p.state == "starting" for p in self.places):
@@ -145,11 +146,13 @@ class Launcher:
                     f"ember preload: {place.name} ready at {msg.socket} ({gib:.2f} GiB in {msg.seconds:.1f}s)"
                 )
             for p in self.places:
+                assert p.proc is not None, f"{p.name} was started above"
                 if p.state == "starting" and p.proc.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with code {p.proc.returncode} while starting")
-        line = self.zygote.stdout.readline().strip()
+        assert zygote.stdout is not None, "stdout=PIPE gives the zygote a pipe"
+        line = zygote.stdout.readline().strip()
         if line != "ember zygote: ready":
-            raise RuntimeError(f"the worker zygote failed to start: {line or self.zygote.wait()}")
+            raise RuntimeError(f"the worker zygote failed to start: {line or zygote.wait()}")
 
     def check(self) -> None:
         if self.zygote is not None and self.zygote.poll() is not None and not self.zygote_dead:
