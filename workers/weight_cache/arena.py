@@ -25,6 +25,7 @@ ALIGN = 64
 
 MAPPING_ATTR = "weight_mapping"  # the model attribute holding the mapping its CPU tensors live in
 
+
 def span_elements(shape: list[int] | tuple[int, ...], stride: list[int] | tuple[int, ...]) -> int:
     """Elements of storage a strided tensor covers."""
     if any(n == 0 for n in shape):
