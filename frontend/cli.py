@@ -1,8 +1,9 @@
 """The `ember` command: one entry point, one subcommand per job.
 
 Runs in the user's shell process. Subcommands import their modules lazily so `ember --help` is fast.
-Engine flags mirror vLLM's names. Errors a user can fix (bad flag values, missing model files, bad
-prompts) end with a non-zero exit and one line on stderr saying what is wrong.
+Engine flags (vLLM's names) are derived from the config's options (coreproc.config.ENGINE_SECTIONS).
+Errors a user can fix (`EmberError`: bad flag values, missing or mismatched model files, bad prompts)
+end with exit status 2 and one line on stderr; anything else prints its traceback (exit 1).
 """
 
 from __future__ import annotations

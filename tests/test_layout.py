@@ -64,3 +64,7 @@ def test_the_wheel_installs_no_tools_package() -> None:
     data = PYPROJECT["tool"]["setuptools"]["package-data"]
     assert "tools" not in data and any("default_model" in p for p in data["coreproc"])
     assert (config.default_model_dir() / "config.json").is_file()
+    # the native CPU ops are compiled on first use from the installed sources, headers included
+    csrc = ROOT / "kernels" / "csrc"
+    patterns = data["kernels"]
+    assert all(any(f.match(p) for p in patterns) for f in csrc.iterdir() if f.suffix in (".cpp", ".h"))

@@ -1,6 +1,6 @@
 """Chat rendering: OpenAI messages -> prompt token ids through the checkpoint's chat template.
 
-Runs in the frontend (batch mode, later the HTTP server), before a request is sent to the core.
+Runs where requests come in (the HTTP frontend, batch mode, the offline `LLM`), before the core sees them.
 Receives messages as dicts or `ChatMessage` structs and returns token ids, rendered with Hugging Face
 `apply_chat_template` semantics (tokenized without adding special tokens: a BOS appears only if the
 template writes it). Content-part lists are flattened to text; anything the template or the message

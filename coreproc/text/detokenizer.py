@@ -1,9 +1,9 @@
 """Incremental detokenization with stop strings, one instance per generated sequence.
 
-Runs in the frontend (and the offline API's process). Text is produced with tokenizers' DecodeStream,
-which holds back bytes until they form whole UTF-8 characters, so no delta ever carries a broken
-character. Stop strings are searched only in the newly added text plus a look-back window; while a
-sequence runs, the last `len(longest stop) - 1` characters are held back so that a stop string split
+Runs in the HTTP frontend, batch mode and the offline API's process. Text is produced with tokenizers'
+DecodeStream, which holds back bytes until they form whole UTF-8 characters, so no delta ever carries a
+broken character. Stop strings are searched only in the newly added text plus a look-back window; while
+a sequence runs, the last `len(longest stop) - 1` characters are held back so that a stop string split
 across deltas is never streamed before it is recognised.
 """
 

@@ -1,10 +1,10 @@
 """OpenAI request schema: `/v1/completions` and `/v1/chat/completions` bodies, and Ember's extras.
 
-Runs in the frontend (the HTTP server and batch mode). Receives request bodies (JSON bytes or dicts),
-validates them into frozen msgspec Structs (`RequestError` names the bad field), checks them against
-the server's `RequestLimits` before anything is tokenized, and maps them to the engine's
-`SamplingParams`. Responses are built in `openai_responses.py`. Defaults follow vLLM:
-completions `max_tokens` 16, chat `max_tokens` None (up to the context), temperature 1.0, n 1.
+Runs in the HTTP frontend and in batch mode (both import it from here). Receives request bodies (JSON
+bytes or dicts), validates them into frozen msgspec Structs (`RequestError` names the bad field), checks
+them against the server's `RequestLimits` before anything is tokenized, and maps them to the engine's
+`SamplingParams`. Responses are built in `openai_responses.py`. Defaults follow vLLM: completions
+`max_tokens` 16, chat `max_tokens` None (up to the context), temperature 1.0, n 1.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """OpenAI response shapes: completion and chat objects, streaming chunks, logprobs and usage.
 
-Runs in the frontend (the HTTP server and batch mode). Builds the plain dicts OpenAI clients expect
-from the offline result types (`RequestOutput` / `CompletionOutput`, whose logprobs are dicts of
-token id -> `Logprob`). Logprobs are clamped to a finite floor because JSON has no -inf.
+Runs in the HTTP frontend and in batch mode (both import it from here). Builds the plain dicts OpenAI
+clients expect from the offline result types (`RequestOutput` / `CompletionOutput`, whose logprobs are
+dicts of token id -> `Logprob`). Logprobs are clamped to a finite floor because JSON has no -inf.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Turns `EngineOutput` deltas from the core into text, logprobs and finished results.
 
-Runs in the frontend (and the offline API's process). A request with n > 1 fans out into n engine
-requests ("{i}_{id}", seeds offset by i), whose results are gathered under the parent; a request's
-sequences are built first and registered only once the engine has admitted them all, each with its
-index among the API request's choices (`choice_index`: prompt k's sequence i is k * n + i). Stop strings are
-found here after detokenization; the processor returns those engine request ids so the caller can
-abort them in the core. `process()` returns one `SequenceDelta` per sequence that changed (for
-streaming) and keeps the running totals for `RequestOutput`s.
+Runs in the HTTP frontend, batch mode and the offline API's process. A request with n > 1 fans out into
+n engine requests ("{i}_{id}", seeds offset by i), whose results are gathered under the parent; a
+request's sequences are built first and registered only once the engine has admitted them all, each with
+its index among the API request's choices (`choice_index`: prompt k's sequence i is k * n + i). Stop
+strings are found here after detokenization; the processor returns those engine request ids so the
+caller can abort them in the core. `process()` returns one `SequenceDelta` per sequence that changed
+(for streaming) and keeps the running totals for `RequestOutput`s.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Turns an OpenAI request into engine prompts, and finished results into an OpenAI response body.
 
-Runs in the frontend (the HTTP server and batch mode share it). `render_prompts` tokenizes completion
+Runs in the HTTP frontend and in batch mode (both share it). `render_prompts` tokenizes completion
 prompts (strings or token ids, checked against the vocabulary) or renders chat messages with the chat
 template; `response_body` builds the `text_completion` / `chat.completion` object, usage included.
 """

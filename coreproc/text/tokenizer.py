@@ -1,11 +1,13 @@
 """Loads a checkpoint's tokenizer and the ids that end generation, without importing transformers.
 
-Runs in the frontend, the core process and the offline API's process. `Tokenizer` wraps a
-`tokenizers.Tokenizer` (tokenizer.json) with the parts of transformers' fast tokenizer Ember uses:
-encode/decode, the special tokens of tokenizer_config.json and special_tokens_map.json, and
-`apply_chat_template` rendered in a sandboxed jinja2 environment as transformers 5 renders it.
-Only the local folder is read (never a hub). EOS ids are the union of the tokenizer's EOS token and
-generation_config.json's `eos_token_id` (an int or a list), as Hugging Face `generate()` uses them.
+Runs where text comes in and goes out (the HTTP frontend, batch mode, the offline API), and once in
+`ModelConfig.from_dir` (which records the EOS ids in the config: the core never loads a tokenizer).
+`Tokenizer` wraps a `tokenizers.Tokenizer` (tokenizer.json) with the parts of transformers' fast
+tokenizer Ember uses: encode/decode, the special tokens of tokenizer_config.json and
+special_tokens_map.json, and `apply_chat_template` rendered in a sandboxed jinja2 environment as
+transformers 5 renders it. Only the local folder is read (never a hub). EOS ids are the union of the
+tokenizer's EOS token and generation_config.json's `eos_token_id` (an int or a list), as Hugging Face
+`generate()` uses them.
 """
 
 from __future__ import annotations
