@@ -242,15 +242,13 @@ def _with_draft(
     return dataclasses.replace(spec, draft=draft)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The root: everything an engine needs, built once."""
 
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(
-        default_factory=lambda: SchedulerConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=0)
-    )
+    scheduler: SchedulerConfig  # no default: its budget and long-prefill threshold derive from the model
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
