@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -274,7 +275,10 @@ class EngineConfig:
         extra = options.pop("request_limits", None)
         unknown = sorted(set(options) - set(values))
         if unknown:
-            raise ConfigError(f"unknown engine option {unknown[0]!r}")
+            near = difflib.get_close_matches(unknown[0], list(values), n=1)
+            raise ConfigError(
+                f"unknown engine option {unknown[0]!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+            )
         values.update(options, model=model)
         parts = {
             title: {s.field: values[s.keyword] for s in opt.settings(((title, sec),))}
@@ -293,7 +297,8 @@ class EngineConfig:
             sched["long_prefill_token_threshold"] = max(
                 parts["cache"]["block_size"], model_cfg.max_model_len // 25
             )
-        processors = _check_processors(tuple(values["logits_processors"]), model_cfg)
+        flags = values["logits_processors"]
+        processors = _check_processors((flags,) if isinstance(flags, str) else tuple(flags), model_cfg)
         speculative = SpeculativeConfig.parse(values["speculative_config"])
         if speculative is not None:  # verification needs each step's tokens before the next is planned
             sched["async_scheduling"] = False

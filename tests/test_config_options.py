@@ -9,6 +9,7 @@ with one line. Run: `pytest -q tests/test_config_options.py`.
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,14 +161,14 @@ def test_draft_model_is_read_and_checked() -> None:
         ({"load_format": "tape"}, "unknown load format 'tape'"),
         ({"dtype": "int3"}, "unknown dtype 'int3'"),
         ({"quantization": "gptq"}, "unknown quantization method 'gptq'"),
-        ({"max_num_seq": 3}, "unknown engine option 'max_num_seq'"),
+        ({"max_num_seq": 3}, "unknown engine option 'max_num_seq'; did you mean 'max_num_seqs'?"),
         ({"max_n": 0}, "max_n must be a positive integer"),
         ({"request_limits": {"max_x": 1}}, "unknown request limit 'max_x'"),
         ({"logits_processors": ("nope",)}, "expected module:Class"),
     ],
 )
 def test_bad_values_are_one_line_config_errors(kwargs: dict, message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as err:
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
         EngineConfig.create(**kwargs)
     assert "\n" not in str(err.value)
 
@@ -216,3 +217,10 @@ def test_llm_refuses_an_unknown_policy_before_building_anything() -> None:
 
     with pytest.raises(ConfigError, match="unknown scheduling policy 'lifo'; choose one of fcfs, priority"):
         LLM(scheduling_policy="lifo")
+
+
+@pytest.mark.unit
+def test_one_logits_processor_may_be_given_as_a_string(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "plugins"))
+    config = EngineConfig.create(logits_processors="ember_test_plugin:ForceToken")
+    assert config.logits_processors[-1] == "ember_test_plugin:ForceToken"
