@@ -122,6 +122,8 @@ def _argparse_kwargs(s: Setting) -> dict[str, Any]:
         kw["type"] = str
     if s.option.choices is not None:
         kw["choices"] = list(s.option.choices)
+    if "choices" not in kw and "metavar" not in kw:  # named after the flag, not the destination
+        kw["metavar"] = s.flag.lstrip("-").replace("-", "_").upper()
     return kw
 
 
