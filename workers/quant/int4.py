@@ -1,8 +1,9 @@
 """int4: weight-only, group-wise asymmetric int4 with packed storage (w4a16).
 
-Runs in worker processes. Each output row is split into groups of `group_size` input columns (128 by
-default; the gcd with the row length when it does not divide it, recorded in the layer's attributes);
-each group has a scale and a zero point. Storage: uint8 [out, in/2] (two values per byte) plus scales
+Runs in worker processes. Each output row is split into groups of `group_size` input columns (32 by
+default, GGUF's block size: weights that come from a 4-bit GGUF are reproduced exactly; the gcd with
+the row length when it does not divide it, recorded in the layer's attributes); each group has a
+scale and a float zero point. Storage: uint8 [out, in/2] (two values per byte) plus scales
 and zeros [out, in/group] in the compute dtype. Matmul: the Triton dequant-matmul kernel on CUDA, the
 torch reference (dequantize, then dense matmul) elsewhere.
 """
@@ -23,7 +24,10 @@ def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
     g = w.float().reshape(n, k // group, group)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
     scale = ((hi - lo) / 15.0).clamp(min=1e-12)
-    zero = torch.round(-lo / scale).clamp(0, 15)
+    # a float zero point (stored in the compute dtype anyway): `lo` maps to 0 exactly. Rounded to an
+    # integer it shifted every weight of the group by up to half a step, which wrecked weights that were
+    # already on a 4-bit grid with a float minimum (GGUF Q4_1 / Q4_K: SmolLM2's top-1 fell to 0.56)
+    zero = -lo / scale
     q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15).reshape(n, k)
     return pack_int4(q), scale, zero
 
@@ -31,7 +35,7 @@ def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 class Int4Grouped(QuantMethod):
     name = "int4"
 
-    def __init__(self, group_size: int = 128) -> None:
+    def __init__(self, group_size: int = 32) -> None:
         super().__init__(group_size=group_size)
         self.group_size = group_size
 
