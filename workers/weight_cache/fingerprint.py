@@ -1,10 +1,11 @@
 """Which processed weights a rank needs: the cache key shared by preload daemons and engines.
 
 Runs in preload daemons and engine workers. The checkpoint's identity is a sha256 over its shard
-names, raw safetensors headers (names, dtypes, shapes, offsets) and a few small samples of the data,
-so it does not read the weights and does not depend on the folder's path. The device identity is the
-GPU UUID on CUDA and the host's machine id plus boot id on CPU (shared memory does not survive a
-reboot). Also here: socket paths and the private socket directory's safety checks.
+names, raw safetensors headers (names, dtypes, shapes, offsets) or a GGUF file's whole header, and a
+few small samples of the data, so it does not read the weights and does not depend on the folder's
+path. The device identity is the GPU UUID on CUDA and the host's machine id plus boot id on CPU
+(shared memory does not survive a reboot). Also here: socket paths and the private socket
+directory's safety checks.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from coreproc.config import EngineConfig
+from coreproc.gguf_file import GGUFFile, is_gguf
 from coreproc.host import engine_version
 from coreproc.protocol import Fingerprint
 
@@ -30,6 +32,13 @@ def checkpoint_hash(model_dir: str) -> str:
     evenly spaced 4 KiB samples of its data: headers alone cannot tell two trainings of the same
     architecture apart, while 64 KiB per shard is no real read of the weights."""
     h = hashlib.sha256()
+    if is_gguf(model_dir):  # the same over a GGUF file: its header (metadata, tensor table), samples
+        gguf = GGUFFile(model_dir)
+        h.update(Path(model_dir).name.encode() + b"\0" + gguf.header)
+        step = max(1, (gguf.size - gguf.data_start) // SAMPLES_PER_SHARD)
+        for offset in range(gguf.data_start, gguf.size, step):
+            h.update(gguf.sample(offset, SAMPLE_BYTES))
+        return h.hexdigest()
     for path in sorted(Path(model_dir).glob("*.safetensors"), key=lambda p: p.name):
         with open(path, "rb") as f:
             prefix = f.read(8)
@@ -44,7 +53,11 @@ def checkpoint_hash(model_dir: str) -> str:
 
 
 def config_hash(model_dir: str) -> str:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    """sha256 of config.json's canonical JSON (for a GGUF file: of the config its metadata implies)."""
+    if is_gguf(model_dir):
+        cfg = GGUFFile(model_dir).hf_config
+    else:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
     cfg.pop("transformers_version", None)
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
 

@@ -1,0 +1,61 @@
+"""Ember's model classes driven in the test process: load a checkpoint, teacher-forced logits.
+
+Imported by tests only (quantization agreement, the real models' tables). `load` builds the model
+on the CPU as a worker would; `all_logits` runs one prefill through the paged-attention path and
+returns the next-token logits at every position (`batch_logits`: of several sequences at once).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from coreproc.config import ModelConfig
+from kernels import AttentionMetadata, select_backend
+from workers.loader import build_model
+from workers.parallel import TPGroup
+
+
+def load(
+    path: str, quantization: str | None, dtype: torch.dtype = torch.float32, max_positions: int = 256
+) -> torch.nn.Module:
+    cfg = ModelConfig.from_dir(path, dtype="float32")
+    cpu = torch.device("cpu")
+    model, _, _ = build_model(
+        path, cfg.architecture, dtype, cpu, TPGroup(), select_backend(cpu), max_positions, quantization, False
+    )
+    return model
+
+
+def all_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Next-token logits at every position of one sequence (one prefill through the paged path)."""
+    n = len(ids)
+    blocks = -(-n // block_size)
+    attn = model.model.layers[0].self_attn
+    dtype = model.model.embed_tokens.weight.dtype  # the compute dtype (quantized weights are not)
+    kv = [
+        torch.zeros(2, blocks, block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+        for _ in model.model.layers
+    ]
+    meta = AttentionMetadata.build([n], [n], [list(range(blocks))], block_size, "cpu")
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+
+
+def batch_logits(model: torch.nn.Module, seqs: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
+    """`all_logits` of several sequences in one prefill (each weight read, or dequantized, once)."""
+    blocks = [-(-len(ids) // block_size) for ids in seqs]
+    starts = [sum(blocks[:i]) for i in range(len(seqs))]
+    attn = model.model.layers[0].self_attn
+    dtype = model.model.embed_tokens.weight.dtype
+    kv = [
+        torch.zeros(2, sum(blocks), block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype)
+        for _ in model.model.layers
+    ]
+    lens = [len(ids) for ids in seqs]
+    tables = [list(range(start, start + b)) for start, b in zip(starts, blocks)]
+    meta = AttentionMetadata.build(lens, lens, tables, block_size, "cpu")
+    ids = torch.tensor([t for s in seqs for t in s])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    with torch.inference_mode():
+        logits = model.compute_logits(model(ids, positions, kv, meta))
+    return list(logits.split(lens))

@@ -1,0 +1,138 @@
+"""Write a Hugging Face Llama / Qwen2 / Qwen3 folder as a GGUF file, the way llama.cpp lays one out.
+
+A repository script for tests and experiments (not installed): `python -m tools.hf_to_gguf MODEL_DIR
+OUT.gguf [--type Q8_0]`. Metadata under llama.cpp's keys (hyperparameters, the byte-level BPE
+tokenizer's tokens, merges, token types, special ids and chat template), tensors under llama.cpp's
+names, the `llama` architecture's q/k rows permuted as llama.cpp's converter does, 2-D weights
+quantized with the `gguf` package's reference quantizer (norms and biases stay F32). The `gguf`
+package writes the file (`GGUFWriter`). Only types that package can quantize: F32, F16, BF16, Q8_0,
+Q4_0, Q4_1, Q5_0, Q5_1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from safetensors.torch import load_file
+
+from workers.gguf_weights import BLOCK, TOP
+
+ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+CONTROL, NORMAL = 3, 1
+
+
+def gguf_name(name: str) -> str:
+    """llama.cpp's name of a transformers tensor (the inverse of `workers.gguf_weights.hf_name`)."""
+    stem, _, suffix = name.rpartition(".")
+    for gguf, hf in TOP.items():
+        if stem == hf:
+            return f"{gguf}.{suffix}"
+    parts = stem.split(".", 3)  # model, layers, N, rest
+    for gguf, hf in BLOCK.items():
+        if len(parts) == 4 and parts[3] == hf:
+            return f"blk.{parts[2]}.{gguf}.{suffix}"
+    raise ValueError(f"no GGUF name for tensor {name}")
+
+
+def permute_rotary(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order: each head's rotary halves interleaved (undone by Ember's loader)."""
+    shape = weight.shape
+    return weight.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def _tokenizer_metadata(writer: GGUFWriter, model_dir: Path) -> None:
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    special = set()
+    for token in spec["added_tokens"]:
+        vocab[token["content"]] = token["id"]
+        if token["special"]:
+            special.add(token["id"])
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens))), "token ids must be dense"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([CONTROL if i in special else NORMAL for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    for key, add in (
+        ("bos_token", writer.add_bos_token_id),
+        ("eos_token", writer.add_eos_token_id),
+        ("pad_token", writer.add_pad_token_id),
+    ):
+        if isinstance(config.get(key), str):
+            add(vocab[config[key]])
+    writer.add_add_bos_token(bool(config.get("add_bos_token", False)))
+    if config.get("chat_template"):
+        writer.add_chat_template(config["chat_template"])
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+    """Write `model_dir` as the GGUF file `out` with 2-D weights in `qtype`; returns `out`."""
+    model_dir, out = Path(model_dir), Path(out)
+    if qtype not in WRITABLE:
+        raise ValueError(f"cannot write GGUF type {qtype}; choose one of {', '.join(WRITABLE)}")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = ARCHS[cfg["model_type"]]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+    writer = GGUFWriter(str(out), arch)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_file_type({"F32": 0, "F16": 1, "BF16": 32}.get(qtype, 7))
+    _tokenizer_metadata(writer, model_dir)
+    target = GGMLQuantizationType[qtype]
+    block = GGML_QUANT_SIZES[target][0]
+    state = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(shard)))
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        tensor = tensor.float()
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            tensor = permute_rotary(tensor, heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            tensor = permute_rotary(tensor, kv_heads)
+        array = tensor.numpy()
+        if array.ndim == 2 and array.shape[-1] % block == 0 and qtype != "F32":
+            writer.add_tensor(gguf_name(name), quants.quantize(array, target), raw_dtype=target)
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("out")
+    parser.add_argument("--type", default="F32", choices=WRITABLE)
+    args = parser.parse_args()
+    print(write_gguf(args.model_dir, args.out, args.type))
+
+
+if __name__ == "__main__":
+    main()
