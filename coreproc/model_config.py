@@ -1,4 +1,4 @@
-"""What a checkpoint folder says: `ModelConfig`, read once from config.json (and the tokenizer's EOS).
+"""What a checkpoint says: `ModelConfig`, read once from config.json or a GGUF file's metadata (and EOS).
 
 Part of the shared base (coreproc.config builds the rest of the engine's configuration around it).
 The architectures and quantization methods named here are those the workers build
@@ -27,6 +27,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 QUANTIZATION_METHODS = ("fp8_per_tensor", "int8", "int4")  # built by workers.quant
 QUANTIZATION_ALIASES = {"fp8": "fp8_per_tensor"}
+MODEL_HELP = "checkpoint: a Hugging Face folder or a .gguf file (default: the bundled model)"
 
 
 def resolve_quantization(name: str | None) -> str | None:
@@ -49,10 +50,13 @@ def one_of(value: Any, allowed: tuple[str, ...], what: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """The checkpoint and what we read from its config.json (read once, here)."""
+    """The checkpoint and what we read from its config.json or GGUF metadata (read once, here)."""
 
     model: str = option(
-        "checkpoint folder (default: the bundled model)", derived=True, dest="model_flag", metavar="DIR"
+        MODEL_HELP,
+        derived=True,
+        dest="model_flag",
+        metavar="PATH",
     )
     dtype: Dtype = option(
         "compute dtype; auto: the checkpoint's, or float32 on a CPU that would only emulate it", "auto"

@@ -16,6 +16,7 @@ from typing import NoReturn
 
 from coreproc.config import add_engine_arguments, engine_options
 from coreproc.errors import run_command
+from coreproc.model_config import MODEL_HELP
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -205,7 +206,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
-    core.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")
+    core.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     core.add_argument(
         "--listen", default=None, help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path)"
     )

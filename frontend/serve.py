@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from coreproc.errors import EmberError
+from coreproc.model_config import MODEL_HELP
 from frontend.canary import canary_request, canary_result
 from frontend.server_config import add_server_arguments, server_config
 from frontend.snapshot_manifest import write_json_atomic
@@ -37,7 +38,7 @@ HANDOFF_POLL_S = 0.002
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The model positional and the server flags (the CLI adds the engine flags)."""
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     add_server_arguments(p)
     p.add_argument("--snapshot-park", default=None, help=argparse.SUPPRESS)
 

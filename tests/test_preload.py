@@ -333,6 +333,23 @@ def test_tensor_parallel_data_parallel_and_quantized(make_ckpt, tmp_path):
         stop(proc)
 
 
+def test_a_gguf_checkpoint_is_cached_and_sharded_like_a_folder(make_ckpt, tmp_path):
+    from tools.hf_to_gguf import write_gguf
+
+    path = str(write_gguf(make_ckpt("qwen2"), tmp_path / "tiny.gguf", "Q8_0"))
+    sock = tmp_path / "gguf"
+    sock.mkdir(mode=0o700)
+    proc = start_preload(path, sock, "-tp", "2")
+    try:
+        with LLM(path, dtype="float32", show_progress=False) as disk:
+            want = tokens(disk)
+        with engine(path, sock, tensor_parallel_size=2) as llm:
+            assert [r.weight_source for r in llm.engine.executor.ready] == ["ipc_cache", "ipc_cache"]
+            assert tokens(llm) == want
+    finally:
+        stop(proc)
+
+
 def test_draft_weights_are_held_beside_the_target(make_ckpt, model, tmp_path):
     draft = str(make_ckpt("llama", seed=5))
     sock = tmp_path / "d"

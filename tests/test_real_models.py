@@ -176,8 +176,9 @@ def test_gguf_equals_the_converted_folder_token_for_token(
 ) -> None:
     """The folders transformers 5 writes from the file (and their transformers-4 layout) load and give
     Ember the same tokens and logprobs as the file itself."""
-    folder = ember_runs(real[layout], [r["prompt"] for r in reference["runs"]], False)
-    for i, ((a, lpa), (b, lpb)) in enumerate(zip(batched, folder, strict=True)):
+    count = len(PROMPTS) if layout == "hf-v5" else 4  # the older layout differs in config files only
+    folder = ember_runs(real[layout], [r["prompt"] for r in reference["runs"][:count]], False)
+    for i, ((a, lpa), (b, lpb)) in enumerate(zip(batched[:count], folder, strict=True)):
         assert a == b, f"prompt {i}"
         for pa, pb in zip(lpa, lpb):
             assert {k: v.logprob for k, v in pa.items()} == pytest.approx(

@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 
 from coreproc.config import EngineConfig
+from coreproc.gguf_file import is_gguf
+from coreproc.model_config import MODEL_HELP
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")
+    p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     p.add_argument("--runs", type=int, default=1, help="measurements of each kind (the best is kept)")
     p.add_argument(
         "--mode",
@@ -134,7 +136,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             daemon.wait(60)
     if "from ipc_cache" not in lines:
         print(f"warning: the warm server did not use the cache:\n{lines}", file=sys.stderr)
-    size = sum(f.stat().st_size for f in Path(config.model.model).glob("*.safetensors"))
+    path = Path(config.model.model)
+    size = sum(f.stat().st_size for f in ([path] if is_gguf(path) else path.glob("*.safetensors")))
     print(
         f"model {config.model.model} ({size / 2**30:.2f} GiB on disk, dtype {config.model.dtype}, "
         f"quantization {config.model.quantization or 'none'}), {os.cpu_count()} CPUs"
