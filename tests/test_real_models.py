@@ -180,10 +180,9 @@ def test_gguf_equals_the_converted_folder_token_for_token(
     folder = ember_runs(real[layout], [r["prompt"] for r in reference["runs"][:count]], False)
     for i, ((a, lpa), (b, lpb)) in enumerate(zip(batched[:count], folder, strict=True)):
         assert a == b, f"prompt {i}"
-        for pa, pb in zip(lpa, lpb):
-            assert {k: v.logprob for k, v in pa.items()} == pytest.approx(
-                {k: v.logprob for k, v in pb.items()}
-            )
+        for pa, pb in zip(lpa, lpb):  # same weights; other batch sizes may round the last bits apart
+            want = {k: v.logprob for k, v in pb.items()}
+            assert {k: v.logprob for k, v in pa.items()} == pytest.approx(want, abs=1e-4)
 
 
 def test_folder_chat_prompt_ids_and_eos_equal_transformers(real: dict[str, Path]) -> None:
