@@ -11,6 +11,7 @@ serves the whole file, and responses name the model that ran (its folder name).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -23,10 +24,12 @@ from typing import IO, Any
 
 import msgspec
 
+from coreproc import options
 from coreproc.errors import EmberError
 from coreproc.outputs import RequestOutput
 from coreproc.protocol import QueueFull
 from coreproc.text import openai_protocol as oai
+from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
 from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from coreproc.text.render import Prompt, render_prompts, response_body
 
@@ -45,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"requests submitted to the engine at once (default {IN_FLIGHT_PER_SEQ} x --max-num-seqs)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    options.add_arguments(parser, FEATURE_SECTIONS)  # --tool-call-parser, --reasoning-parser, ...
 
 
 # ----------------------------------------------------------------------------- input lines
@@ -189,7 +193,14 @@ class Job:
 class BatchRunner:
     """Takes input lines, submits requests to the engine, steps it and writes each record as it finishes."""
 
-    def __init__(self, config: Any, sink: RecordSink, done: Answered, show_progress: bool = True) -> None:
+    def __init__(
+        self,
+        config: Any,
+        sink: RecordSink,
+        done: Answered,
+        show_progress: bool = True,
+        features: ChatFeatures | None = None,
+    ) -> None:
         from coreproc.engine import EngineCore
         from coreproc.text.output_processor import OutputProcessor
         from coreproc.text.tokenizer import load_tokenizer
@@ -199,6 +210,8 @@ class BatchRunner:
         self.model_name = Path(config.model.model).name
         self.max_model_len, self.vocab_size = config.model.max_model_len, config.model.vocab_size
         self.limits = config.limits  # the same per-request bounds as the HTTP server's
+        self.features = features or ChatFeatures()  # the same `openai` flags as the HTTP server's
+        self.fields = self.features.fields()
         self.sink, self.done = sink, done
         self.engine = EngineCore(config, show_progress=show_progress)
         self.processor = OutputProcessor(self.tokenizer)
@@ -207,6 +220,7 @@ class BatchRunner:
         self.in_flight = 0
         self.deferred: deque[BatchItem] = deque()  # refused by the queue limit, to submit again
         self.num_ok = self.num_errors = self.num_skipped = self.tokens = 0
+        self.refused: dict[str, RequestError] = {}  # engine request id -> why the workers refused it
         self._next = 0
 
     def take(self, line_no: int, raw: bytes) -> int:
@@ -240,16 +254,22 @@ class BatchRunner:
     def _prompts(self, item: BatchItem) -> tuple[Any, list[Prompt]]:
         req: ChatCompletionRequest | CompletionRequest
         if item.kind == "chat":
-            req = oai.parse_chat_request(item.body, self.limits)
-        else:
-            req = oai.parse_completion_request(item.body, self.limits)
+            req = oai.parse_chat_request(item.body, self.limits, self.fields)
+            kwargs = self.features.template_kwargs(req)
+            return req, render_prompts(req, self.tokenizer, self.vocab_size, template_kwargs=kwargs)
+        req = oai.parse_completion_request(item.body, self.limits, self.fields)
         return req, render_prompts(req, self.tokenizer, self.vocab_size)
 
     def submit(self, item: BatchItem) -> None:
         """Queue one request, or write its 400 record at once if it is invalid."""
         try:
             req, prompts_in = self._prompts(item)
-            params = [oai.to_sampling_params(req, len(ids), self.max_model_len) for _, ids in prompts_in]
+            params = [
+                oai.to_sampling_params(
+                    req, len(ids), self.max_model_len, self.features.constraint(req, self.tokenizer, ids)
+                )
+                for _, ids in prompts_in
+            ]
         except ValueError as e:  # RequestError, InvalidParam, tokenizer errors
             return self._reject(item, e)
         job = Job(item, req, [], int(time.time()))
@@ -303,7 +323,11 @@ class BatchRunner:
 
     def step(self) -> int:
         """One engine step; returns how many requests finished (their records are written)."""
-        deltas, to_abort = self.processor.process(self.engine.step())
+        outputs = self.engine.step()
+        for o in outputs:  # refused by the workers (a constraint that does not compile): a 400 record
+            if o.error_code is not None:
+                self.refused[o.request_id] = RequestError(o.error or "invalid request", o.error_param)
+        deltas, to_abort = self.processor.process(outputs)
         if to_abort:
             self.engine.abort_requests(to_abort)
         finished = 0
@@ -328,10 +352,24 @@ class BatchRunner:
         self.in_flight -= 1
         results = [job.results[rid] for rid in job.rids]
         hexid = uuid.uuid4().hex
+        refusal = next((self.refused.pop(rid) for rid in job.rids if rid in self.refused), None)
+        if refusal is not None:
+            for rid in job.rids:
+                self.refused.pop(rid, None)
+            return self._respond(job.item.custom_id, hexid, refusal.status, refusal.error_body())
         if any(o.finish_reason == "error" for r in results for o in r.outputs):
             err = RequestError("the engine failed this request", status=500, err_type="internal_error")
             return self._respond(job.item.custom_id, hexid, 500, err.error_body())
-        body = response_body(job.request, results, self.model_name, job.created, hexid, self._decode)
+        body = response_body(
+            job.request,
+            results,
+            self.model_name,
+            job.created,
+            hexid,
+            self._decode,
+            self.features,
+            self.tokenizer,
+        )
         self._respond(job.item.custom_id, hexid, 200, body)
 
     def _decode(self, token_id: int) -> str:
@@ -373,10 +411,12 @@ def run(args: argparse.Namespace) -> int:
 
     from coreproc.config import EngineConfig, engine_options
 
+    values = options.collect(args, FEATURE_SECTIONS)
+    features = ChatFeatures(**{f.name: values[f.name] for f in dataclasses.fields(ChatFeatures)})
     config = EngineConfig.create(**engine_options(args))
     sink = RecordSink(args.output)
     try:
-        runner = BatchRunner(config, sink, done, show_progress=not args.no_progress)
+        runner = BatchRunner(config, sink, done, show_progress=not args.no_progress, features=features)
     except BaseException:
         sink.close()
         raise

@@ -308,9 +308,7 @@ class AsyncEngineClient:
                     _settle(admitted, item)
                     raise item
                 if item.finish_reason == "error":
-                    open_ids.discard(item.request_id)
-                    if item.error_code is not None:  # refused: the whole submission was
-                        open_ids.clear()
+                    open_ids.discard(item.request_id)  # its siblings, if admitted, are aborted below
                     error = EngineRequestError(
                         item.error or "request failed", item.error_code, item.error_param
                     )

@@ -2,8 +2,9 @@
 
 Clients (the SDK, the HTTP frontend) connect DEALER sockets to this process's ROUTER and send
 `SubmitRequests` / `AbortRequests` / `UtilityCall`; each gets `OutputBatch`es for its own requests
-(the first output of an admitted request is an empty acknowledgement; the requests of a refused
-submission each get one finished output with an `error_code`), `UtilityResult`s (an unknown utility
+(the first output of an admitted request is an empty acknowledgement, or for a constrained request
+its first token; the requests of a refused submission, or a constraint the workers cannot compile,
+each get one finished output with an `error_code`), `UtilityResult`s (an unknown utility
 method gets an error, never silence), and `EngineDead` if the engine fails. Each loop turn: drain
 client messages (block only when idle), run one overlapped engine step, route outputs. A dead worker
 fails every request at once and ends the process non-zero; SIGTERM/SIGINT stop admission, let running
@@ -201,7 +202,10 @@ class CoreServer:
             return reject(str(e), "overloaded")
         for req in reqs:
             self.owner[req.request_id] = identity
-            self._admitted.append(EngineOutput(req.request_id))
+            # a constrained request is acknowledged by its first token: its grammar may still fail to
+            # compile in the workers, and that refusal must reach the client before a 200 does
+            if req.sampling_params.structured is None:
+                self._admitted.append(EngineOutput(req.request_id))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
         """Answer one `UtilityMethod`; anything else is refused with the list of methods."""

@@ -137,7 +137,11 @@ class LLM:
 
     def _step(self) -> list[SequenceDelta]:
         self._feed()
-        deltas, to_abort = self.processor.process(self.engine.step())
+        outputs = self.engine.step()
+        refused = next((o for o in outputs if o.error_code == "invalid_request"), None)
+        if refused is not None:  # a constraint the worker could not compile: like any invalid param
+            raise InvalidParam(refused.error or "invalid request", refused.error_param)
+        deltas, to_abort = self.processor.process(outputs)
         if to_abort:
             self.engine.abort_requests(to_abort)
         return deltas

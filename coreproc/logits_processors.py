@@ -48,6 +48,7 @@ class Row:
     prompt_ids: list[int]
     output_ids: list[int]  # tokens generated before the one being chosen
     eos_ids: list[int]
+    req_id: str = ""  # the engine request this row samples for (a request may have several rows)
 
 
 class LogitsProcessor:

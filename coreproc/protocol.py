@@ -48,6 +48,44 @@ class QueueFull(RuntimeError):
     """The engine's waiting queue is at its limit (`--max-num-queued-*`); retry later (HTTP 503)."""
 
 
+# what a structured-output constraint is written in (see workers/structured.py)
+StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar", "structural_tag"]
+STRUCTURED_KINDS: tuple[StructuredKind, ...] = get_args(StructuredKind)
+
+
+class StructuredSpec(msgspec.Struct, frozen=True, omit_defaults=True, kw_only=True):
+    """A constraint on a request's output, compiled and enforced by the workers (xgrammar).
+
+    `spec` is the JSON schema text ("json"), a regex, a JSON list of strings ("choice"), an EBNF
+    (GBNF) grammar, or an xgrammar structural tag as JSON; empty for "json_object". The constraint
+    covers the output after the first occurrence of `after` (the reasoning's end marker), or all of
+    it when `after` is empty."""
+
+    kind: StructuredKind
+    spec: str = ""
+    after: list[int] = []
+
+    def validate(self) -> None:
+        """What the scheduler checks without xgrammar; the workers' compiler is the final judge."""
+        if self.kind in ("json", "choice", "structural_tag"):
+            try:
+                value = msgspec.json.decode(self.spec)
+            except msgspec.DecodeError:
+                raise InvalidParam(
+                    f"the {self.kind} constraint is not valid JSON", "structured_outputs"
+                ) from None
+            if self.kind == "choice" and not (
+                isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
+            ):
+                raise InvalidParam(
+                    "choice must be a non-empty list of non-empty strings", "structured_outputs"
+                )
+            if self.kind != "choice" and not isinstance(value, (dict, bool)):
+                raise InvalidParam(f"the {self.kind} constraint must be a JSON object", "structured_outputs")
+        elif self.kind in ("regex", "grammar") and not self.spec.strip():
+            raise InvalidParam(f"the {self.kind} constraint is empty", "structured_outputs")
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to sample one request. Defaults follow vLLM: temperature 1.0, max_tokens 16."""
 
@@ -76,6 +114,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: list[str] = []  # text; the frontend fills bad_words_token_ids with its tokenizer
     bad_words_token_ids: list[list[int]] = []
     logits_processor_args: dict[str, Any] = {}
+    structured: StructuredSpec | None = None  # constrained decoding (JSON schema, regex, grammar, ...)
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +159,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         for ok, param, message in checks:
             if not ok:
                 raise InvalidParam(message, param)
+        if self.structured is not None:
+            self.structured.validate()
 
 
 # ----------------------------------------------------------------------------- frontend -> core
@@ -223,6 +264,7 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     logprobs: list[list[TokenLogprobs]] = []
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     spec_token_ids: dict[str, list[int]] = {}  # draft-model proposals for the next step
+    failed: dict[str, str] = {}  # requests this step could not serve (a grammar xgrammar refused): why
     execute_seconds: float = 0.0  # the worker's time on this step (inputs, forward, sampling)
 
 

@@ -361,6 +361,20 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         self.worker_busy_seconds += out.execute_seconds
+        for rid, reason in out.failed.items():  # refused by the workers (a constraint that won't compile)
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(
+                    EngineOutput(
+                        rid,
+                        finish_reason="error",
+                        error=reason,
+                        error_code="invalid_request",
+                        error_param="response_format",
+                    )
+                )
         for rid, tokens, logprobs in zip(out.req_ids, out.sampled_token_ids, out.logprobs):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:

@@ -141,6 +141,8 @@ class Api:
             limits=RequestLimits.of(client.info_cache.limits or None),
             max_stream_buffer_tokens=self.cfg.max_stream_buffer_tokens,
             stream_send_timeout=self.cfg.stream_send_timeout,
+            features=self.cfg.features,
+            fields=self.cfg.features.fields(),
         )
         poller = asyncio.create_task(self._poll_engine())
         try:
@@ -191,11 +193,14 @@ class Api:
         try:
             body = await request.body()
             limits = self.ctx.limits if self.ctx is not None else None
-            req = parse_chat_request(body, limits) if chat else parse_completion_request(body, limits)
+            fields = self.ctx.fields if self.ctx is not None else None
+            parse = parse_chat_request if chat else parse_completion_request
+            req = parse(body, limits, fields)
             self._check_model(req.model)
             self._available()
             ctx = self.ctx
-            prompts = render_prompts(req, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template)
+            kwargs = ctx.features.template_kwargs(req) if isinstance(req, ChatCompletionRequest) else None
+            prompts = render_prompts(req, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template, kwargs)
             return await serve_generation(ctx, request, req, prompts)
         except RequestError as e:
             if self.ctx is not None:

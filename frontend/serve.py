@@ -87,13 +87,13 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
     if args.snapshot_park:
         return run_parked(args, config, Path(args.snapshot_park))
+    cfg = server_config(args)  # its errors before the port is taken and the model loads
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     with ThreadPoolExecutor(1) as pool:
         prepared = pool.submit(prepare_http, config.model.tokenizer)
         with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
             uvicorn, build_app, tokenizer = prepared.result()
-            cfg = server_config(args)
             print(describe_engine(core.address), flush=True)
             app = build_app(core.address, config.model.model, cfg, tokenizer)
             level = logging.getLevelName(logging.getLogger().level).lower()

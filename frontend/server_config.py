@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coreproc import options
 from coreproc.options import option
+from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,10 @@ class ServerConfig:
         "seconds a streaming client may take to accept one chunk before it is cut off", 60.0
     )
     shutdown_timeout: float = option("on SIGTERM, seconds running requests may take to finish", 30.0)
+    features: ChatFeatures = field(default_factory=ChatFeatures)  # the `openai` flags
 
 
-SERVER_SECTIONS: tuple[tuple[str, type], ...] = (("server", ServerConfig),)
+SERVER_SECTIONS: tuple[tuple[str, type], ...] = (("server", ServerConfig), *FEATURE_SECTIONS)
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,4 +44,6 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
     values = options.collect(args, SERVER_SECTIONS)
-    return ServerConfig(**{f.name: values[f.name] for f in dataclasses.fields(ServerConfig)})
+    features = ChatFeatures(**{f.name: values[f.name] for f in dataclasses.fields(ChatFeatures)})
+    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name != "features"]
+    return ServerConfig(**{name: values[name] for name in names}, features=features)

@@ -30,6 +30,8 @@ from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestErr
 from coreproc.limits import RequestLimits
 from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, FinishReason, SamplingParams
 from coreproc.text import openai_responses as oresp
+from coreproc.text.chat_features import ChatFeatures, OutputParser
+from coreproc.text.openai_fields import FieldPolicy
 from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,6 +60,8 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)  # the core's, from its info
     max_stream_buffer_tokens: int | None = None  # a stream's unread tokens before it is aborted
     stream_send_timeout: float | None = None  # seconds a client may take to accept one SSE chunk
+    features: ChatFeatures = field(default_factory=ChatFeatures)  # tools, reasoning, unknown fields
+    fields: FieldPolicy = field(default_factory=FieldPolicy)
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
@@ -238,7 +242,10 @@ async def respond(gen: Generation, request: Request) -> Response:
     reasons = [o.finish_reason for r in results for o in r.outputs]
     await gen.close("error" if "error" in reasons else reasons[0] or "stop")
     ctx = gen.ctx
-    return JSONResponse(response_body(gen.req, results, ctx.model_name, gen.created, gen.hexid, ctx.decode))
+    body = response_body(
+        gen.req, results, ctx.model_name, gen.created, gen.hexid, ctx.decode, ctx.features, ctx.tokenizer
+    )
+    return JSONResponse(body)
 
 
 def _sse(obj: dict) -> bytes:
@@ -252,6 +259,7 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{gen.hexid}"
     head = (rid, ctx.model_name, gen.created)
     sent_text: dict[int, int] = {}  # choice index -> characters sent (completion text offsets)
+    parsers: dict[int, OutputParser | None] = {}  # chat choice index -> its reasoning / tool-call parser
     reason: FinishReason = "abort"
     try:
         if chat:
@@ -278,8 +286,30 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
                 lp = None
                 if req.logprobs and d.logprobs is not None:
                     lp = oresp.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0)
-                choice = oresp.chat_delta(d.choice_index, content=d.text, logprobs=lp, finish_reason=finish)
-                yield _sse(oresp.chat_chunk(*head, [choice]))
+                if d.choice_index not in parsers:
+                    parsers[d.choice_index] = ctx.features.output_parser(
+                        req, ctx.tokenizer, gen.prompts[0][1]
+                    )
+                parser = parsers[d.choice_index]
+                if parser is None:
+                    choice = oresp.chat_delta(
+                        d.choice_index, content=d.text, logprobs=lp, finish_reason=finish
+                    )
+                    yield _sse(oresp.chat_chunk(*head, [choice]))
+                    continue
+                pieces = parser.feed(d.text, final=finish is not None)
+                if not pieces and finish is None and lp is None:
+                    continue  # text held back (a tag may be starting)
+                pieces = pieces or [{}]
+                for k, piece in enumerate(pieces):  # logprobs and the finish reason ride on the last
+                    last = k == len(pieces) - 1
+                    choice = oresp.chat_delta(
+                        d.choice_index,
+                        logprobs=lp if last else None,
+                        finish_reason=parser.finish_reason(finish) if last else None,
+                        fields=piece,
+                    )
+                    yield _sse(oresp.chat_chunk(*head, [choice]))
                 continue
             index = d.choice_index
             lp = None
@@ -335,7 +365,11 @@ async def serve_generation(
 ) -> Response:
     """Validate sampling against the context and the limits, submit as one unit, and answer (JSON
     or SSE)."""
-    params = [to_sampling_params(req, len(ids), ctx.info.max_model_len) for _, ids in prompts]
+    limit = ctx.info.max_model_len
+    constraint = ctx.features.constraint
+    params = [
+        to_sampling_params(req, len(ids), limit, constraint(req, ctx.tokenizer, ids)) for _, ids in prompts
+    ]
     gen = Generation(ctx, req, prompts, params)
     if req.stream:
         gen.start(ctx.max_stream_buffer_tokens)

@@ -176,7 +176,9 @@ def test_request_schemas_carry_the_real_fields(doc: dict[str, Any]) -> None:
     assert {"messages", "max_completion_tokens", "top_logprobs", "logprobs"} <= set(chat["properties"])
     assert chat["required"] == ["messages"]
     message = resolve(doc, chat["properties"]["messages"]["items"]["$ref"])
-    assert set(message["properties"]["role"]["enum"]) == {"system", "user", "assistant", "tool"}
+    assert set(message["properties"]["role"]["enum"]) == {"system", "developer", "user", "assistant", "tool"}
+    assert {"tools", "tool_choice", "response_format", "structured_outputs"} <= set(chat["properties"])
+    assert {"response_format", "structured_outputs"} <= set(completion["properties"])
     assert set(request_schema(doc, "/tokenize")["properties"]) >= {"prompt", "messages"}
     assert request_schema(doc, "/detokenize")["required"] == ["tokens"]
     tokenize = doc["paths"]["/tokenize"]["post"]["responses"]["200"]["content"]["application/json"]

@@ -22,6 +22,7 @@ from workers.draft import DraftProposer
 from workers.models.fused_decode import Forward
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
+from workers.structured import StructuredOutputs
 
 
 @dataclass
@@ -76,6 +77,7 @@ class ModelRunner:
         processors: list[LogitsProcessor] | None = None,
         draft: DraftProposer | None = None,
         forward: Forward | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.model = model
         # what runs the step: `model` itself, or its one-call decode layers (fused_decode.select_forward)
@@ -84,13 +86,16 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(device, seed, processors)
+        self.structured = structured
+        self.sampler = Sampler(device, seed, processors, structured)
         self.requests: dict[str, RequestState] = {}
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply the step diff to the request table."""
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
+        if self.structured is not None and out.finished_req_ids:
+            self.structured.forget(out.finished_req_ids)
         for new in out.new_requests:
             self.requests[new.req_id] = RequestState(
                 prompt_ids=list(new.prompt_token_ids),
@@ -141,10 +146,14 @@ class ModelRunner:
             positions_at = [
                 ends[i] - 1 - len(specs[i]) + j for i in sample_rows for j in range(len(specs[i]) + 1)
             ]
-            views = [(states[i], specs[i][:j]) for i in sample_rows for j in range(len(specs[i]) + 1)]
+            views = [
+                (req_ids[i], states[i], specs[i][:j]) for i in sample_rows for j in range(len(specs[i]) + 1)
+            ]
             logits = self.model.compute_logits(hidden[positions_at])
             result = self.sampler(logits, self._sampling_batch(views))
         output = self._collect(req_ids, states, specs, sample_rows, result)
+        if self.structured is not None:
+            output.failed = self.structured.pop_failed()
         if self.draft is not None and sample_rows:
             proposing = [states[i] for i in sample_rows]
             proposals = self.draft.propose(
@@ -158,10 +167,10 @@ class ModelRunner:
             s.num_computed_tokens += q - (len(spec) - max(0, len(tokens) - 1) if spec else 0)
         return output
 
-    def _sampling_batch(self, views: list[tuple[RequestState, list[int]]]) -> SamplingBatch:
+    def _sampling_batch(self, views: list[tuple[str, RequestState, list[int]]]) -> SamplingBatch:
         """One row per (request, accepted proposals before this position)."""
-        outs = [s.output_ids + extra if extra else s.output_ids for s, extra in views]
-        states = [s for s, _ in views]
+        outs = [s.output_ids + extra if extra else s.output_ids for _, s, extra in views]
+        states = [s for _, s, _ in views]
         return SamplingBatch(
             temperature=[s.params.temperature for s in states],
             top_k=[s.params.top_k for s in states],
@@ -174,7 +183,10 @@ class ModelRunner:
             repetition_penalty=[s.params.repetition_penalty for s in states],
             prompt_ids=[s.prompt_ids for s in states],
             output_ids=outs,
-            rows=[Row(i, s.params, s.prompt_ids, o, s.eos_ids) for i, (s, o) in enumerate(zip(states, outs))],
+            rows=[
+                Row(i, s.params, s.prompt_ids, o, s.eos_ids, rid)
+                for i, ((rid, s, _), o) in enumerate(zip(views, outs))
+            ],
             max_num_logprobs=max((s.params.logprobs or 0) for s in states),
             ranks=any(s.params.logprobs is not None for s in states),
         )

@@ -1,10 +1,11 @@
 """Turns a batch of next-token logits into sampled tokens and their logprobs.
 
-Runs in worker processes, after the model's logits. Order: raw logprobs (what callers see) -> logits
-processors (built-ins: logit_bias, allowed_token_ids, bad_words, min_tokens; then third-party ones)
--> repetition / frequency / presence penalties -> greedy argmax, or temperature, top-k, top-p,
-min-p and an exponential race (Gumbel-max) draw. A seeded request draws its noise from a generator keyed
-by (seed, output position), so its tokens do not depend on what else is in the batch or on preemption.
+Runs in worker processes, after the model's logits. Order: raw logprobs (what callers see) -> the
+grammar mask of structured outputs (workers/structured.py) -> logits processors (built-ins:
+logit_bias, allowed_token_ids, bad_words, min_tokens; then third-party ones) -> repetition /
+frequency / presence penalties -> greedy argmax, or temperature, top-k, top-p, min-p and an
+exponential race (Gumbel-max) draw. A seeded request draws its noise from a generator keyed by
+(seed, output position), so its tokens do not depend on what else is in the batch or on preemption.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from coreproc.logits_processors import LogitsProcessor, Row
+from workers.structured import StructuredOutputs
 
 _MASK64 = (1 << 64) - 1
 
@@ -59,16 +61,24 @@ class Sampler:
     """Stateless apart from the generator used for unseeded requests."""
 
     def __init__(
-        self, device: torch.device, seed: int = 0, processors: list[LogitsProcessor] | None = None
+        self,
+        device: torch.device,
+        seed: int = 0,
+        processors: list[LogitsProcessor] | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.processors = processors or []
+        self.structured = structured
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerResult:
         raw = torch.log_softmax(logits.float(), dim=-1)
-        logits = self.apply_processors(logits.float().clone(), batch.rows)
+        logits = logits.float().clone()
+        if self.structured is not None:
+            logits = self.structured.apply(logits, batch.rows)
+        logits = self.apply_processors(logits, batch.rows)
         logits = self._apply_penalties(logits, batch)
         sampled = self._sample(logits, batch)
         sampled_logprob = raw.gather(1, sampled.unsqueeze(1)).squeeze(1)

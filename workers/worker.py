@@ -33,6 +33,7 @@ from workers.models.layers import kv_bytes_per_token
 from workers.models.llama import LlamaForCausalLM
 from workers.models.ops import install_ops, select_ops
 from workers.parallel import TPGroup
+from workers.structured import StructuredOutputs
 
 log = logging.getLogger("ember.worker")
 
@@ -137,8 +138,10 @@ class Worker:
         processors = self.build_processors()
         proposer = None if draft is None else self.build_proposer(draft, num_blocks, draft_forward)
         block_size, seed = self.config.cache.block_size, self.config.model.seed
+        model = self.config.model
+        structured = StructuredOutputs(model.model, model.vocab_size, list(model.eos_token_ids))
         self.runner = ModelRunner(
-            weights.model, kv_caches, block_size, self.device, seed, processors, proposer, forward
+            weights.model, kv_caches, block_size, self.device, seed, processors, proposer, forward, structured
         )
         return WorkerReady(
             rank=self.tp.rank,

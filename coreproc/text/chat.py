@@ -9,6 +9,7 @@ shape cannot handle becomes a one-line `RequestError` (HTTP 400).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -44,8 +45,25 @@ def template_messages(messages: list[dict] | list[ChatMessage]) -> list[dict[str
         m = msgspec.to_builtins(m) if isinstance(m, ChatMessage) else m
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
-        out.append({**m, "content": _flatten(m.get("content"), i)})
+        m = {**m, "content": _flatten(m.get("content"), i)}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
+        out.append(m)
     return out
+
+
+def _template_call(call: Any, index: int) -> Any:
+    """A history tool call as templates expect it: `function.arguments` a dict, not JSON text."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"] or "{}")
+    except json.JSONDecodeError:
+        raise RequestError(
+            f"messages[{index}].tool_calls: function.arguments is not valid JSON", "messages"
+        ) from None
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def render_chat(
@@ -53,6 +71,7 @@ def render_chat(
     messages: list[dict] | list[ChatMessage],
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Prompt token ids for a conversation (RequestError for unsupported content or template errors)."""
     import jinja2
@@ -67,6 +86,7 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             return_dict=False,
+            **(template_kwargs or {}),
         )
     except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:  # raised while rendering
         raise RequestError(f"the chat template failed: {e}", "messages") from None

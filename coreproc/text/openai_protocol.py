@@ -16,7 +16,16 @@ import msgspec
 
 from coreproc.errors import EmberError
 from coreproc.limits import RequestLimits
-from coreproc.protocol import InvalidParam, SamplingParams
+from coreproc.protocol import InvalidParam, SamplingParams, StructuredSpec
+from coreproc.text.openai_fields import (
+    AssistantToolCall,
+    FieldPolicy,
+    ResponseFormat,
+    StructuredOutputsParam,
+    Tool,
+    ToolChoice,
+    unsupported_field,
+)
 
 MAX_LOGPROBS = 20
 
@@ -56,10 +65,16 @@ class ContentPart(msgspec.Struct, frozen=True):
 
 
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    reasoning_content: str | None = None
+    refusal: str | None = None
+    annotations: Any = None  # what OpenAI's clients echo back from a returned message: ignored
+    audio: Any = None
+    function_call: Any = None
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -85,7 +100,14 @@ class _Common(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParam | None = None  # vLLM's extra: json, regex, choice, ...
+    user: str | None = None  # bookkeeping fields: accepted, unused
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     cache_salt: str | None = None
     priority: int = 0
     skip_special_tokens: bool = True
@@ -103,6 +125,7 @@ class CompletionRequest(_Common, frozen=True, kw_only=True):
     echo: bool = False
     best_of: int | None = None  # accepted only as n (vLLM's v1 engine dropped it; Ember never had it)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's extension)
+    suffix: str | None = None  # refused when set (see openai_fields.UNSUPPORTED)
 
 
 class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
@@ -112,6 +135,19 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # in OpenAI's schema, refused when set (see openai_fields.UNSUPPORTED)
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -145,12 +181,23 @@ def _param_of(message: str) -> str | None:
     return path or None
 
 
-def parse_body(body: bytes | str | dict, typ: type) -> Any:
-    """Decode and validate a JSON body into `typ`; RequestError names the first bad field."""
+def parse_body(body: bytes | str | dict, typ: type, fields: FieldPolicy | None = None) -> Any:
+    """Decode and validate a JSON body into `typ`; RequestError names the first bad or unknown field."""
     try:
-        if isinstance(body, (bytes, bytearray, memoryview, str)):
-            return msgspec.json.decode(body, type=typ)
-        return msgspec.convert(body, typ)
+        value = msgspec.json.decode(body) if isinstance(body, (bytes, bytearray, memoryview, str)) else body
+        if isinstance(value, dict):
+            if value is body and fields is not None and fields.allow_unknown:
+                value = msgspec.json.decode(
+                    msgspec.json.encode(value)
+                )  # dropping fields must not touch theirs
+            unknown = (fields or FieldPolicy()).check(value, typ)
+            if unknown:
+                raise RequestError(
+                    f"unknown field {unknown[0]!r}: not part of this API (a typo?); a server started with "
+                    "--allow-unknown-fields ignores unknown fields",
+                    unknown[0],
+                )
+        return msgspec.convert(value, typ)
     except msgspec.ValidationError as e:
         message = _AT.sub("", str(e))
         param = _param_of(str(e))
@@ -162,10 +209,11 @@ def parse_body(body: bytes | str | dict, typ: type) -> Any:
 
 
 def parse_completion_request(
-    body: bytes | str | dict, limits: RequestLimits | None = None
+    body: bytes | str | dict, limits: RequestLimits | None = None, fields: FieldPolicy | None = None
 ) -> CompletionRequest:
     """Validate a `/v1/completions` body within `limits`; RequestError names the first bad field."""
-    req = parse_body(body, CompletionRequest)
+    req = parse_body(body, CompletionRequest, fields)
+    _refuse_unsupported(req)
     limits = limits or RequestLimits()
     num_prompts = len(prompt_inputs(req))  # also the shape check
     if req.best_of is not None and req.best_of != req.n:
@@ -175,16 +223,23 @@ def parse_completion_request(
 
 
 def parse_chat_request(
-    body: bytes | str | dict, limits: RequestLimits | None = None
+    body: bytes | str | dict, limits: RequestLimits | None = None, fields: FieldPolicy | None = None
 ) -> ChatCompletionRequest:
     """Validate a `/v1/chat/completions` body within `limits`; RequestError names the first bad field."""
-    req = parse_body(body, ChatCompletionRequest)
+    req = parse_body(body, ChatCompletionRequest, fields)
+    _refuse_unsupported(req)
     limits = limits or RequestLimits()
     if not req.messages:
         raise RequestError("messages must not be empty", "messages")
     check_messages(req.messages, limits)
     _check(limits, req, 1)
     return req
+
+
+def _refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    name = unsupported_field(req)
+    if name is not None:
+        raise RequestError(f"{name} is not supported by this server", name)
 
 
 def check_messages(messages: list[ChatMessage], limits: RequestLimits) -> None:
@@ -262,9 +317,13 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def to_sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, prompt_len: int, max_model_len: int
+    req: CompletionRequest | ChatCompletionRequest,
+    prompt_len: int,
+    max_model_len: int,
+    structured: StructuredSpec | None = None,
 ) -> SamplingParams:
-    """The engine's sampling parameters for one prompt of `prompt_len` tokens (validated)."""
+    """The engine's sampling parameters for one prompt of `prompt_len` tokens (validated); `structured`
+    is the request's output constraint (`ChatFeatures.constraint`)."""
     chat = isinstance(req, ChatCompletionRequest)
     logprobs: int | None
     prompt_param = "messages" if chat else "prompt"
@@ -320,6 +379,7 @@ def to_sampling_params(
         allowed_token_ids=req.allowed_token_ids,
         bad_words=[req.bad_words] if isinstance(req.bad_words, str) else list(req.bad_words or []),
         logits_processor_args=dict(req.logits_processor_args or {}),
+        structured=structured,
     )
     try:
         params.validate(MAX_LOGPROBS)

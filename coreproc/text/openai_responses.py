@@ -8,10 +8,13 @@ dicts of token id -> `Logprob`). Logprobs are clamped to a finite floor because 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from coreproc.protocol import FinishReason
+
+if TYPE_CHECKING:
+    from coreproc.text.chat_features import OutputParser
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI-compatible servers clamp here
 
@@ -134,16 +137,21 @@ def completion_choices(
     return choices
 
 
-def chat_choice(out: CompletionOutput, top_logprobs: int | None = None) -> dict[str, Any]:
-    """One chat choice; `top_logprobs` None means logprobs were not requested."""
+def chat_choice(
+    out: CompletionOutput, top_logprobs: int | None = None, parser: OutputParser | None = None
+) -> dict[str, Any]:
+    """One chat choice; `top_logprobs` None means logprobs were not requested; `parser` splits the
+    text into reasoning, content and tool calls."""
     lp = None
     if top_logprobs is not None:
         lp = chat_logprobs(out.token_ids, list(out.logprobs or []), top_logprobs)
+    message = {"role": "assistant", "content": out.text} if parser is None else parser.message(out.text)
+    finish = openai_finish_reason(out.finish_reason)
     return {
         "index": out.index,
-        "message": {"role": "assistant", "content": out.text},
+        "message": message,
         "logprobs": lp,
-        "finish_reason": openai_finish_reason(out.finish_reason),
+        "finish_reason": finish if parser is None else parser.finish_reason(finish),
     }
 
 
@@ -185,14 +193,18 @@ def chat_delta(
     role: str | None = None,
     content: str | None = None,
     logprobs: dict | None = None,
-    finish_reason: FinishReason | None = None,
+    finish_reason: str | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A chat chunk's choice: the first carries the role, later ones content deltas."""
+    """A chat chunk's choice: the first carries the role, later ones content deltas (or the
+    `fields` of an `OutputParser` delta: reasoning_content, tool_calls)."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if fields:
+        delta.update(fields)
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

@@ -14,6 +14,7 @@ from coreproc.outputs import RequestOutput
 from coreproc.text import openai_protocol as oai
 from coreproc.text import openai_responses as oresp
 from coreproc.text.chat import render_chat
+from coreproc.text.chat_features import ChatFeatures
 from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
 Prompt = tuple[str | None, list[int]]  # (text, token ids); text is None for token-id prompts
@@ -24,11 +25,16 @@ def render_prompts(
     tokenizer: Any,
     vocab_size: int,
     chat_template: str | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[Prompt]:
     """One prompt per chat request; one per entry of a completion request's `prompt`."""
     if isinstance(req, ChatCompletionRequest):
         ids = render_chat(
-            tokenizer, req.messages, chat_template, add_generation_prompt=req.add_generation_prompt
+            tokenizer,
+            req.messages,
+            chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            template_kwargs=template_kwargs,
         )
         return [(None, ids)]
     out: list[Prompt] = []
@@ -49,12 +55,22 @@ def response_body(
     created: int,
     hexid: str,
     decode: Callable[[int], str],
+    features: ChatFeatures | None = None,
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
-    """The non-streaming response of one request, from its finished results (one per prompt)."""
+    """The non-streaming response of one request, from its finished results (one per prompt);
+    `features` parse reasoning and tool calls out of chat choices."""
     usage = oresp.usage_of(results)
     if isinstance(req, ChatCompletionRequest):
         top = (req.top_logprobs or 0) if req.logprobs else None
-        choices = [oresp.chat_choice(o, top) for o in results[0].outputs]
+        choices = [
+            oresp.chat_choice(
+                o,
+                top,
+                features.output_parser(req, tokenizer, results[0].prompt_token_ids) if features else None,
+            )
+            for o in results[0].outputs
+        ]
         return oresp.chat_completion_response(f"chatcmpl-{hexid}", model, created, choices, usage)
     choices = []
     for k, r in enumerate(results):
