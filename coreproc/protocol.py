@@ -266,6 +266,7 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     spec_token_ids: dict[str, list[int]] = {}  # draft-model proposals for the next step
     failed: dict[str, str] = {}  # requests this step could not serve (a grammar xgrammar refused): why
     execute_seconds: float = 0.0  # the worker's time on this step (inputs, forward, sampling)
+    structured_seconds: float = 0.0  # of which: grammar matchers and the token mask
 
 
 class WorkerReady(msgspec.Struct, kw_only=True):
@@ -365,6 +366,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_blocks_in_use: int = 0  # held by running requests
     num_steps: int = 0  # engine steps run
     worker_busy_seconds: float = 0.0  # the workers' time in steps (summed `RunnerOutput.execute_seconds`)
+    structured_seconds: float = 0.0  # of which: structured outputs' matchers and masks
     num_preemptions: int = 0  # running requests preempted because blocks ran out
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # ... and found there

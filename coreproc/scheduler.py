@@ -68,6 +68,7 @@ class Scheduler:
         )
         self.num_steps = 0
         self.worker_busy_seconds = 0.0  # summed RunnerOutput.execute_seconds
+        self.structured_seconds = 0.0  # summed RunnerOutput.structured_seconds
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
@@ -361,6 +362,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
         self.worker_busy_seconds += out.execute_seconds
+        self.structured_seconds += out.structured_seconds
         for rid, reason in out.failed.items():  # refused by the workers (a constraint that won't compile)
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
@@ -428,6 +430,7 @@ class Scheduler:
             num_blocks_in_use=self.kv.num_blocks_in_use(),
             num_steps=self.num_steps,
             worker_busy_seconds=self.worker_busy_seconds,
+            structured_seconds=self.structured_seconds,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits,

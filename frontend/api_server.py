@@ -222,16 +222,22 @@ class Api:
 
     async def tokenize(self, request: Request) -> Response:
         try:
-            req = parse_body(await request.body(), TokenizeRequest)
+            req = parse_body(await request.body(), TokenizeRequest, self.ctx.fields if self.ctx else None)
             self._check_model(req.model)
             self._available()
             ctx = self.ctx
             if req.messages is not None:
                 check_messages(req.messages, ctx.limits)
                 chat = ChatCompletionRequest(
-                    messages=req.messages, add_generation_prompt=req.add_generation_prompt
+                    messages=req.messages,
+                    add_generation_prompt=req.add_generation_prompt,
+                    tools=req.tools,
+                    chat_template_kwargs=req.chat_template_kwargs,
                 )
-                ids = render_prompts(chat, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template)[0][1]
+                kwargs = ctx.features.template_kwargs(chat)
+                ids = render_prompts(chat, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template, kwargs)[0][
+                    1
+                ]
             elif req.prompt is not None:
                 ids = ctx.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
             else:

@@ -154,6 +154,7 @@ class ModelRunner:
         output = self._collect(req_ids, states, specs, sample_rows, result)
         if self.structured is not None:
             output.failed = self.structured.pop_failed()
+            output.structured_seconds = self.structured.pop_seconds()
         if self.draft is not None and sample_rows:
             proposing = [states[i] for i in sample_rows]
             proposals = self.draft.propose(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +70,7 @@ class StructuredOutputs:
         self._bitmask: torch.Tensor | None = None
         self._states: dict[str, _Constraint | None] = {}  # None: its grammar failed to compile
         self._failed: dict[str, str] = {}
+        self.seconds = 0.0  # spent in `apply` on constrained rows since the last `pop_seconds`
 
     # ------------------------------------------------------------------ compiling
 
@@ -198,6 +200,7 @@ class StructuredOutputs:
     def apply(self, logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
         """Mask, in place, every token the grammar forbids at each constrained row."""
         masked: list[int] = []
+        start = time.perf_counter()
         for row in rows:
             if row.params.structured is None:
                 continue
@@ -212,7 +215,12 @@ class StructuredOutputs:
             assert self._bitmask is not None
             bitmask = self._bitmask[: logits.shape[0]].to(logits.device, non_blocking=True)
             self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=masked)
+            self.seconds += time.perf_counter() - start
         return logits
+
+    def pop_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def pop_failed(self) -> dict[str, str]:
         """Requests whose constraint could not be compiled since the last call, with the reason."""

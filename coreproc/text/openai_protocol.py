@@ -158,6 +158,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None  # rendered by the chat template as for a chat request
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -4,6 +4,13 @@ Runs the same token-id prompts (random ids, fixed seed, greedy, ignore_eos) thro
 engine (`LLM`) and through `ember-core` + worker processes reached with the ZMQ SDK, and prints one
 summary line plus a table: output and total tokens/s, engine steps, time per step, and the per-step
 cost of the process boundary (multiprocess minus in-process time, divided by the steps).
+
+With `--structured KIND` each engine runs the workload twice, free and then with every request
+constrained (fresh prompts of the same lengths, so the prefix cache favours neither run), and reports
+the constraint's per-step cost: constrained minus free ms/step, and as a % of the free step. Warm-ups
+with the same spec compile its grammar before the timing. json-schema and regex cannot complete within
+`--output-len` tokens, so every step masks every row; choice ends after a word or two and measures
+mostly admission (a matcher per request and its first masks).
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import msgspec
 
 from coreproc.config import EngineConfig
 from coreproc.errors import EmberError
-from coreproc.protocol import SamplingParams, SchedulerStats
+from coreproc.protocol import SamplingParams, SchedulerStats, StructuredSpec
+
+STRUCTURED = ("none", "json-schema", "regex", "choice")
 
 
 @dataclass
@@ -37,6 +46,9 @@ class Result:
     weight_bytes: int = 0
     quantize_seconds: float = 0.0
     spec: SchedulerStats | None = None  # the engine's stats after the run, when it speculated
+    structured: str = "none"  # the constraint every request carried (one of STRUCTURED)
+    free_ms_per_step: float | None = None  # a constrained row: the same engine's unconstrained run
+    mask_seconds: float = 0.0  # the workers' time in grammar matchers and masks (SchedulerStats)
 
     def spec_line(self) -> str | None:
         s = self.spec
@@ -55,7 +67,13 @@ class Result:
         stats = msgspec.structs.asdict(self.spec) if self.spec is not None else {}
         spec = {k: v for k, v in stats.items() if k.startswith("spec_")}
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return fields | {"spec": spec, "output_tps": self.output_tps, "ms_per_step": self.ms_per_step}
+        figures = {"output_tps": self.output_tps, "ms_per_step": self.ms_per_step}
+        overhead = {
+            "overhead_ms_per_step": self.overhead_ms_per_step,
+            "overhead_pct": self.overhead_pct,
+            "mask_ms_per_step": self.mask_ms_per_step,
+        }
+        return fields | {"spec": spec} | figures | overhead
 
     @property
     def output_tps(self) -> float:
@@ -69,6 +87,21 @@ class Result:
     def ms_per_step(self) -> float:
         return 1000 * self.seconds / max(1, self.steps)
 
+    @property
+    def overhead_ms_per_step(self) -> float | None:
+        """What the constraint adds to a step (None on an unconstrained row)."""
+        return None if self.free_ms_per_step is None else self.ms_per_step - self.free_ms_per_step
+
+    @property
+    def mask_ms_per_step(self) -> float:
+        """The constraint's own cost per step, measured in the workers (matchers, bitmask, masking)."""
+        return self.mask_seconds * 1000 / max(1, self.steps)
+
+    @property
+    def overhead_pct(self) -> float | None:
+        extra = self.overhead_ms_per_step
+        return None if extra is None or not self.free_ms_per_step else 100 * extra / self.free_ms_per_step
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["inproc", "multiproc", "both"], default="both")
@@ -81,6 +114,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantization-methods",
         default=None,
         help="comma-separated methods to compare in-process, one row each (e.g. none,fp8,int8,int4)",
+    )
+    p.add_argument(
+        "--structured",
+        choices=STRUCTURED,
+        default="none",
+        help="also run every request under this constraint and report its per-step cost; json-schema "
+        "and regex mask every step, choice ends early and measures mostly admission",
     )
 
 
@@ -136,84 +176,175 @@ def workload_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int, 
     return make_prompts(vocab_size, set(tokenizer.all_special_ids), n, args.input_len, args.bench_seed)
 
 
-def run_inproc(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> Result:
+def structured_spec(kind: str, output_len: int) -> StructuredSpec | None:
+    """The constraint of a `--structured` run. json-schema and regex need `output_len` integers, each
+    at least one token with a comma after it, so they cannot complete (and stop masking) in time."""
+    n = output_len
+    if kind == "json-schema":
+        schema = {"type": "array", "items": {"type": "integer"}, "minItems": n}
+        return StructuredSpec(kind="json", spec=json.dumps(schema))
+    if kind == "regex":
+        return StructuredSpec(kind="regex", spec=rf"(\d+,){{{n},}}\d+")
+    if kind == "choice":
+        return StructuredSpec(kind="choice", spec=json.dumps(["yes", "no", "maybe"]))
+    assert kind == "none", kind
+    return None
+
+
+@dataclass
+class Workload:
+    """One timed run of an engine: its prompts, their parameters, and the constraint's name. Its
+    warm-up runs other prompts (the prefix cache would skip the timed ones' prefill) at the same batch,
+    for a few tokens with the same parameters, so the same grammar gets compiled and cached."""
+
+    structured: str
+    prompts: list[list[int]]
+    warmup_prompts: list[list[int]]
+    params: SamplingParams
+
+    @property
+    def warmup(self) -> SamplingParams:
+        return msgspec.structs.replace(self.params, max_tokens=4)
+
+
+@dataclass
+class Timed:
+    workload: Workload
+    output_tokens: int
+    seconds: float
+    stats: SchedulerStats  # after the run
+    before: SchedulerStats
+
+    @property
+    def steps(self) -> int:
+        return self.stats.num_steps - self.before.num_steps
+
+
+def results_of(
+    config: EngineConfig, mode: str, timed: list[Timed], weight_bytes: int, quantize_seconds: float
+) -> list[Result]:
+    """One row per timed run; a constrained row carries the free run's ms/step for its overhead."""
+    results: list[Result] = []
+    for t in timed:
+        prompts = t.workload.prompts
+        r = Result(
+            mode,
+            len(prompts),
+            sum(map(len, prompts)),
+            t.output_tokens,
+            t.seconds,
+            t.steps,
+            config.model.quantization or "none",
+            weight_bytes,
+            quantize_seconds,
+            t.stats if config.speculative is not None else None,
+            t.workload.structured,
+        )
+        r.mask_seconds = t.stats.structured_seconds - t.before.structured_seconds
+        if r.structured != "none" and results:
+            r.free_ms_per_step = results[0].ms_per_step
+        results.append(r)
+    return results
+
+
+def run_inproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
     from coreproc.llm import LLM
 
+    timed = []
     with LLM(config=config, show_progress=False) as llm:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-        steps0 = llm.stats().num_steps
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        stats = llm.stats()
-        steps = stats.num_steps - steps0
+        for w in workloads:
+            llm.generate(w.warmup_prompts, w.warmup, use_tqdm=False)
+            before = llm.stats()
+            start = time.perf_counter()
+            outs = llm.generate(w.prompts, w.params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            stats = llm.stats()
+            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            timed.append(Timed(w, produced, seconds, stats, before))
         ready = llm.engine.executor.ready[0]
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    method = config.model.quantization or "none"
-    return Result(
-        "inproc",
-        len(prompts),
-        sum(map(len, prompts)),
-        produced,
-        seconds,
-        steps,
-        method,
-        ready.weight_bytes,
-        ready.quantize_seconds,
-        stats if config.speculative is not None else None,
-    )
+    return results_of(config, "inproc", timed, ready.weight_bytes, ready.quantize_seconds)
 
 
-def run_multiproc(config: EngineConfig, prompts: list[list[int]], params: SamplingParams) -> Result:
+def run_multiproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
     from coreproc.client import AsyncEngineClient
     from coreproc.startup.launcher import CoreProcess
 
-    core_info = None
-    stats = SchedulerStats()
-
-    async def drive(address: str) -> tuple[int, float, int]:
-        nonlocal core_info, stats
+    async def drive(address: str) -> tuple[list[Timed], Any]:
         client = await AsyncEngineClient.connect(address)
-        core_info = client.info_cache
         try:
 
             async def one(p: list[int], sp: SamplingParams) -> int:
                 return sum([len(o.new_token_ids) async for o in client.generate(p, sp)])
 
-            await asyncio.gather(*(one(p, SamplingParams(max_tokens=4)) for p in prompts[:2]))  # warm-up
-            steps0 = (await client.stats()).num_steps
-            start = time.perf_counter()
-            produced = await asyncio.gather(*(one(p, params) for p in prompts))
-            seconds = time.perf_counter() - start
-            stats = await client.stats()
-            return sum(produced), seconds, stats.num_steps - steps0
+            timed = []
+            for w in workloads:
+                await asyncio.gather(*(one(p, w.warmup) for p in w.warmup_prompts))
+                before = await client.stats()
+                start = time.perf_counter()
+                produced = await asyncio.gather(*(one(p, w.params) for p in w.prompts))
+                seconds = time.perf_counter() - start
+                stats = await client.stats()
+                timed.append(Timed(w, sum(produced), seconds, stats, before))
+            return timed, client.info_cache
         finally:
             await client.aclose()
 
     with CoreProcess(config) as core:
-        produced, seconds, steps = asyncio.run(drive(core.address))
+        timed, info = asyncio.run(drive(core.address))
     mode = "multiproc" if config.scheduler.async_scheduling else "multiproc-sync"
-    info = core_info
-    return Result(
-        mode,
-        len(prompts),
-        sum(map(len, prompts)),
-        produced,
-        seconds,
-        steps,
-        config.model.quantization or "none",
-        sum(info.weight_bytes_by_dtype.values()),
-        info.quantize_seconds,
-        stats if config.speculative is not None else None,
+    return results_of(config, mode, timed, sum(info.weight_bytes_by_dtype.values()), info.quantize_seconds)
+
+
+def workloads_of(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> list[Workload]:
+    """The free run, and with --structured the constrained one; each has its own prompts."""
+    n = args.num_prompts
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    spec = structured_spec(args.structured, args.output_len)
+    runs = [("none", params)]
+    if spec is not None:
+        runs.append((args.structured, msgspec.structs.replace(params, structured=spec)))
+    prompts = workload_prompts(args, tokenizer, vocab_size, 2 * n * len(runs))
+    sets = [prompts[i * n : (i + 1) * n] for i in range(2 * len(runs))]  # timed, warm-up, timed, ...
+    return [Workload(name, sets[2 * i], sets[2 * i + 1], sp) for i, (name, sp) in enumerate(runs)]
+
+
+def print_report(args: argparse.Namespace, config: EngineConfig, results: list[Result]) -> None:
+    print(
+        f"model {config.model.model} ({config.model.dtype}), {args.num_prompts} prompts x "
+        f"{args.input_len} in / {args.output_len} out, max_num_seqs {config.scheduler.max_num_seqs}"
     )
+    head = f"{'mode':<15}{'quant':<16}{'structured':<13}{'out tok/s':>11}{'total tok/s':>13}{'seconds':>9}"
+    print(head + f"{'steps':>7}{'ms/step':>9}{'weights MiB':>13}{'quant s':>9}")
+    for r in results:
+        print(
+            f"{r.mode:<15}{r.quantization:<16}{r.structured:<13}{r.output_tps:>11.1f}{r.total_tps:>13.1f}"
+            f"{r.seconds:>9.2f}{r.steps:>7}{r.ms_per_step:>9.2f}{r.weight_bytes / 2**20:>13.1f}"
+            f"{r.quantize_seconds:>9.2f}"
+        )
+    for r in results:
+        if r.spec_line():
+            print(r.spec_line())
+    free = [r for r in results if r.structured == "none"]
+    if len(free) == 2 and not args.quantization_methods:
+        a, b = free
+        loss = 100.0 * (1 - b.output_tps / a.output_tps)
+        overhead = (b.seconds - a.seconds) * 1000 / max(1, b.steps)
+        print(f"summary: {b.mode} loses {loss:.1f}% output throughput vs inproc; {overhead:+.2f} ms per step")
+    for r in results:
+        if r.overhead_ms_per_step is not None and r.free_ms_per_step is not None:
+            print(
+                f"summary: {r.structured} constraint at batch {r.requests} ({r.mode}, {r.quantization}): "
+                f"{r.overhead_ms_per_step:+.3f} ms per step, {r.overhead_pct:+.1f}% of the free "
+                f"{r.free_ms_per_step:.3f} ms step; in the workers' matchers and mask: "
+                f"{r.mask_ms_per_step:.3f} ms per step ({100 * r.mask_ms_per_step / r.free_ms_per_step:.1f}%)"
+            )
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from coreproc.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(config.model.tokenizer)
-    prompts = workload_prompts(args, tok, config.model.vocab_size, args.num_prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    workloads = workloads_of(args, tok, config.model.vocab_size)
     results = []
     if args.quantization_methods:
         from coreproc.config import ConfigError
@@ -227,31 +358,13 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             quantized = dataclasses.replace(
                 config, model=dataclasses.replace(config.model, quantization=method)
             )
-            results.append(run_inproc(quantized, prompts, params))
+            results += run_inproc(quantized, workloads)
     else:
         if args.mode in ("inproc", "both"):
-            results.append(run_inproc(config, prompts, params))
+            results += run_inproc(config, workloads)
         if args.mode in ("multiproc", "both"):
-            results.append(run_multiproc(config, prompts, params))
-    print(
-        f"model {config.model.model} ({config.model.dtype}), {args.num_prompts} prompts x "
-        f"{args.input_len} in / {args.output_len} out, max_num_seqs {config.scheduler.max_num_seqs}"
-    )
-    head = f"{'mode':<15}{'quant':<16}{'out tok/s':>11}{'total tok/s':>13}{'seconds':>9}{'steps':>7}"
-    print(head + f"{'ms/step':>9}{'weights MiB':>13}{'quant s':>9}")
-    for r in results:
-        print(
-            f"{r.mode:<15}{r.quantization:<16}{r.output_tps:>11.1f}{r.total_tps:>13.1f}{r.seconds:>9.2f}"
-            f"{r.steps:>7}{r.ms_per_step:>9.2f}{r.weight_bytes / 2**20:>13.1f}{r.quantize_seconds:>9.2f}"
-        )
-    for r in results:
-        if r.spec_line():
-            print(r.spec_line())
-    if len(results) == 2 and not args.quantization_methods:
-        a, b = results
-        loss = 100.0 * (1 - b.output_tps / a.output_tps)
-        overhead = (b.seconds - a.seconds) * 1000 / max(1, b.steps)
-        print(f"summary: {b.mode} loses {loss:.1f}% output throughput vs inproc; {overhead:+.2f} ms per step")
+            results += run_multiproc(config, workloads)
+    print_report(args, config, results)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump([r.as_json() for r in results], f)
