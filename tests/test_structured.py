@@ -225,3 +225,26 @@ def test_bounded_strings_hold_no_control_characters(llama: str) -> None:
         logits = so.apply(torch.zeros(1, vocab), [row])
         allowed = set(torch.nonzero(logits[0] == 0).flatten().tolist())
         assert allowed and not allowed & control, bound
+
+
+def test_logits_processors_and_stop_strings_compose_with_a_constraint(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    choice = StructuredSpec(kind="choice", spec='["red", "green", "blue"]')
+    banned = {t: -100.0 for t in range(len(tok)) if tok.decode([t]).lstrip()[:1] in ("r", "b")}
+    outs = gen(
+        llm,
+        PROMPTS[:2],
+        [SamplingParams(temperature=0, max_tokens=10, logit_bias=banned, structured=choice)] * 2,
+    )
+    assert [o.text for o in outs] == ["green", "green"]  # the grammar and the bias together leave one
+    cut = SamplingParams(temperature=0, max_tokens=200, stop=['"age"'], structured=json_spec(PERSON))
+    out = gen(llm, [PROMPTS[0]], [cut])[0]
+    assert out.finish_reason == "stop" and '"age"' not in out.text and out.text.lstrip().startswith("{")
+
+
+def test_tensor_parallel_ranks_mask_alike(llama: str, llm: LLM) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=200, structured=json_spec(PERSON))] * 2
+    one = gen(llm, PROMPTS[:2], params)
+    with LLM(llama, dtype="float32", show_progress=False, max_model_len=512, tensor_parallel_size=2) as tp:
+        two = gen(tp, PROMPTS[:2], params)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
