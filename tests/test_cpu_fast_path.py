@@ -112,6 +112,21 @@ def forced_logprobs(llm: LLM, seqs: list[list[int]], skip: list[int]) -> list[fl
     ]
 
 
+def native_and_torch_errors(
+    method: str, seqs: list[list[int]], skip: list[int], ref: list[float], monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[float], list[float]]:
+    """|logprob - ref| of `method` in bf16 on the native matmul (its weights packed, 3-D) and on the
+    torch ops (EMBER_CPU_KERNELS=torch, 2-D weights), teacher-forced along `seqs`."""
+    errors = []
+    for kernels, dims in ((None, 3), ("torch", 2)):
+        if kernels is not None:
+            monkeypatch.setenv("EMBER_CPU_KERNELS", kernels)
+        with bf16_engine(method) as llm:
+            assert llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj.weight.dim() == dims
+            errors.append([abs(a - b) for a, b in zip(forced_logprobs(llm, seqs, skip), ref, strict=True)])
+    return errors[0], errors[1]
+
+
 def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp8_per_tensor on the native fp8 matmul (bf16 activations, float32 accumulation) against the same
     quantized weights computed in float32, teacher-forced along the float32 greedy continuations: its
@@ -126,16 +141,7 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
         seqs = [p + t for p, t in zip(prompts, toks, strict=True)]
         skip = [len(p) for p in prompts]
         ref = forced_logprobs(llm, seqs, skip)
-    with bf16_engine("fp8_per_tensor") as llm:
-        weight = llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj.weight
-        assert weight.dtype == torch.float8_e4m3fn and weight.dim() == 3, "fp8 weights must be packed"
-        ours = forced_logprobs(llm, seqs, skip)
-    monkeypatch.setenv("EMBER_CPU_KERNELS", "torch")
-    with bf16_engine("fp8_per_tensor") as llm:
-        assert llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj.weight.dim() == 2
-        theirs = forced_logprobs(llm, seqs, skip)
-    err_ours = [abs(a - b) for a, b in zip(ours, ref, strict=True)]
-    err_theirs = [abs(a - b) for a, b in zip(theirs, ref, strict=True)]
+    err_ours, err_theirs = native_and_torch_errors("fp8_per_tensor", seqs, skip, ref, monkeypatch)
     assert max(err_ours) <= BF16_LOGPROB_TOL, f"native fp8 logprobs differ by up to {max(err_ours):.3f}"
     # both runs carry bf16 activations, whose rounding dominates (mean ~0.009 each when written)
     assert sum(err_ours) <= 1.25 * sum(err_theirs), (
@@ -222,3 +228,28 @@ def test_short_prompts_prefill_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -
         lp_a = next(iter(a.outputs[0].logprobs[0].values())).logprob
         lp_b = next(iter(b.outputs[0].logprobs[0].values())).logprob
         assert abs(lp_a - lp_b) <= BF16_LOGPROB_TOL
+
+
+def test_int8_native_groups_track_float32(native_run, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 on the native matmul (Q8_0-style: one scale per row and 32 inputs, packed) against the
+    unquantized float32 model, teacher-forced along its greedy continuations: within bf16 noise, and on
+    average no further from float32 than int8's per-channel layout on torch's bf16 ops."""
+    prompts = native_run[0]
+    with LLM(
+        str(default_model_dir()), dtype="float32", max_num_batched_tokens=64, show_progress=False
+    ) as llm:
+        toks, _ = run(llm, prompts)
+        seqs = [p + t for p, t in zip(prompts, toks, strict=True)]
+        skip = [len(p) for p in prompts]
+        ref = forced_logprobs(llm, seqs, skip)
+    with bf16_engine("int8") as llm:
+        proj = llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj
+        assert proj.weight.dtype == torch.int8, "int8 weights stay int8 when packed"
+        assert proj.weight_scale.shape == (proj.weight.shape[0], proj.weight.shape[1] // 32, 16)
+    err_ours, err_theirs = native_and_torch_errors("int8", seqs, skip, ref, monkeypatch)
+    print(
+        f"int8 mean |dlogprob| vs float32: native groups {sum(err_ours) / len(ref):.4f}, "
+        f"torch per-channel {sum(err_theirs) / len(ref):.4f}"
+    )
+    assert max(err_ours) <= 2 * BF16_LOGPROB_TOL, f"native int8 logprobs differ by up to {max(err_ours):.3f}"
+    assert sum(err_ours) <= 1.25 * sum(err_theirs)

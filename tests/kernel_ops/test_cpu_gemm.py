@@ -1,11 +1,10 @@
 """Tests of the CPU fast path's native ops (kernels/cpu_gemm.py, kernels/native.py, kernels/csrc).
 
-The packed layouts (bf16, fp8) round-trip exactly and the native packing equals the torch one; the
-native bf16 and fp8 matmuls equal their torch references (float32 accumulation, so only summation
-order differs) over shapes that hit every
-micro-kernel row count, the multi-block tiles of 1-3 rows and their tails, padded activation rows
-(K = 1024), the row-chunk boundary and ragged output blocks, and give bit-identical rows whatever the
-batch; bf16 / fp16 results are rounded like torch's conversion; fp8 decodes every e4m3 value exactly;
+The packed layouts (bf16, fp8, int8 with Q8_0 group scales) round-trip exactly and the native packing
+equals the torch one; the native bf16, fp8 and int8 matmuls equal their torch references (float32
+accumulation, so only summation order differs) over shapes that hit every micro-kernel row count,
+the multi-block tiles of 1-3 rows and their tails, padded activation rows (K = 1024), the row-chunk
+boundary and ragged output blocks, and give bit-identical rows whatever the batch; bf16 / fp16 results are rounded like torch's conversion; fp8 decodes every e4m3 value exactly;
 the native RMSNorm, rotary and SwiGLU round exactly like their torch references in bf16; the native
 cache write lands in the same slots.
 Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, under a minute).
@@ -272,3 +271,50 @@ def test_gemm_is_batch_invariant(native_ops, fmt: str) -> None:
     full = run(slice(0, 120))
     for rows in (slice(0, 1), slice(5, 7), slice(10, 13), slice(20, 24), slice(30, 37), slice(40, 100)):
         assert torch.equal(run(rows), full[rows]), rows
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 12, 13, 101])
+@pytest.mark.parametrize(("n", "k"), [(17, 64), (64, 256), (200, 32), (40, 1024), (33, 608)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q8_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """int8 with a scale per row and 32 k (Q8_0 groups): the native matmul against exact float64
+    and the torch reference, over every row-count path (1-3 rows, panels, widened blocks from 12)
+    and ragged output blocks; rows are bit-identical whatever the batch."""
+    from kernels.cpu_gemm import gemm_q8, gemm_q8_torch, pack_q8, unpack_q8
+    from workers.quant.int8 import quantize_groups
+
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    q, scales = quantize_groups(torch.randn(n, k, generator=gen))
+    packed, packed_scales = pack_q8(q, scales)
+    assert packed.dtype == torch.int8 and packed_scales.shape == (-(-n // 16), k // 32, 16)
+    w = q.double() * scales.double().repeat_interleave(32, dim=1)
+    assert torch.equal(unpack_q8(packed, packed_scales, n).double(), w.float().double())
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    out = gemm_q8(x, packed, packed_scales, n)
+    assert out.shape == (m, n) and out.dtype == dtype
+    tol = 1e-5 * k if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), x.double() @ w.t(), atol=tol, rtol=tol)
+    ref = gemm_q8_torch(x, packed, packed_scales, n)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if m > 1:
+        assert torch.equal(gemm_q8(x[:1], packed, packed_scales, n), out[:1])
+
+
+def test_int8_method_packs_groups_for_the_native_kernel(native_ops) -> None:
+    """Under the cpu_bf16 kernel, int8 packs Q8_0-style groups (a bf16 head beside it); a layer whose
+    input size is not a multiple of 32 keeps the per-channel layout; both apply like
+    dequantize-then-matmul."""
+    method = make_method("int8", "cpu_bf16")
+    assert method.params == {"layout": "cpu_int8_q8_0_packed16"}
+    assert isinstance(method.head_method(), PackedBf16) and make_method("int8", "torch").head_method() is None
+    for k, dims in ((64, 3), (40, 2)):
+        layer = torch.nn.Module()
+        method.create_weights(layer, 24, k)
+        w = torch.randn(24, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+        layer.weight.data = w.clone()
+        method.process_weights_after_loading(layer)
+        assert layer.weight.dim() == dims and layer.weight.dtype == torch.int8
+        x = torch.randn(5, k).bfloat16()
+        out = method.apply(layer, x)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), x.float() @ w.float().t(), atol=0.1, rtol=0.05)

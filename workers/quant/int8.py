@@ -1,9 +1,12 @@
-"""int8: weight-only int8 with one scale per output channel (w8a16).
+"""int8: weight-only int8 (w8a16), per output channel, or per 32 inputs on the CPU fast path.
 
-Runs in worker processes. The weight is stored [out, in] int8 with scales [out] in the compute
-dtype; the matmul runs in the activation dtype on the int8 weight converted on the fly, with the
-scales applied to the output. (torch's fused `_weight_int8pack_mm` was measured 20-40x slower than
-this on AVX2 CPUs without VNNI, so it is not used.)
+Runs in worker processes. Default layout: the weight is stored [out, in] int8 with scales [out] in
+the compute dtype; the matmul runs in the activation dtype on the int8 weight converted on the fly,
+with the scales applied to the output. (torch's fused `_weight_int8pack_mm` was measured 20-40x
+slower than this on AVX2 CPUs without VNNI, so it is not used.) Native CPU layout (bf16 engines where
+the native ops build): one scale per row and 32 inputs, GGUF's Q8_0 groups, packed for
+`kernels.cpu_gemm.gemm_q8`, which streams the int8 bytes and widens them in registers; a layer whose
+input size is not a multiple of 32 keeps the default layout.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_gemm import GROUP, gemm_q8, pack_q8
 from workers.quant.base import QuantLayer, QuantMethod
 
 
@@ -22,18 +26,47 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [out, in], float32 scales [out, in / group]): symmetric in [-127, 127] per row and group
+    of `group` inputs (GGUF's Q8_0 rounding)."""
+    out, k = w.shape
+    g = w.float().view(out, k // group, group)
+    scale = g.abs().amax(dim=2) / 127.0
+    q = torch.round(g / scale.clamp(min=1e-12).unsqueeze(2)).clamp(-127, 127).to(torch.int8)
+    return q.view(out, k), scale
+
+
 class Int8WeightOnly(QuantMethod):
     name = "int8"
+    native_layout = "cpu_int8_q8_0_packed16"
+
+    def head_method(self) -> QuantMethod | None:
+        if self.params.get("layout") != self.native_layout:
+            return None
+        from workers.quant.packed import PackedBf16
+
+        return PackedBf16()  # a bf16 head, packed for the native matmul like the unquantized path's
 
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale")
 
     def process_weights_after_loading(self, layer: QuantLayer) -> None:
         dtype = layer.weight.dtype
-        q, scale = quantize_per_channel(layer.weight.data)
+        w = layer.weight.data
+        if self.params.get("layout") == self.native_layout and w.shape[1] % GROUP == 0:
+            packed, scales = pack_q8(*quantize_groups(w))
+            self.replace(layer, "weight", packed)
+            self.replace(layer, "weight_scale", scales)
+            layer.quant_attrs = {"out_features": int(w.shape[0])}
+            return
+        q, scale = quantize_per_channel(w)
         self.replace(layer, "weight", q.contiguous())
         self.replace(layer, "weight_scale", scale.to(dtype))
+        layer.quant_attrs = {}
 
     def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if "out_features" in getattr(layer, "quant_attrs", {}):
+            y = gemm_q8(x, layer.weight, layer.weight_scale, layer.quant_attrs["out_features"])
+            return y if bias is None else y + bias
         out = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
         return out if bias is None else out + bias
