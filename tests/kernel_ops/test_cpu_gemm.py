@@ -4,9 +4,10 @@ The packed layouts (bf16, fp8, int8 with Q8_0 group scales) round-trip exactly a
 equals the torch one; the native bf16, fp8 and int8 matmuls equal their torch references (float32
 accumulation, so only summation order differs) over shapes that hit every micro-kernel row count,
 the multi-block tiles of 1-3 rows and their tails, padded activation rows (K = 1024), the row-chunk
-boundary and ragged output blocks, and give bit-identical rows whatever the batch; bf16 / fp16 results are rounded like torch's conversion; fp8 decodes every e4m3 value exactly;
-the native RMSNorm, rotary and SwiGLU round exactly like their torch references in bf16; the native
-cache write lands in the same slots.
+boundary and ragged output blocks, and give bit-identical rows whatever the batch; bf16 / fp16 results
+are rounded like torch's conversion; fp8 decodes every e4m3 value exactly; the native RMSNorm, rotary
+and SwiGLU round exactly like their torch references in bf16; the native cache write lands in the
+same slots.
 Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops, under a minute).
 """
 
