@@ -110,6 +110,46 @@ def gemm_q8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, n: int)
     return torch.ops.ember.gemm_q8(x.reshape(-1, x.shape[-1]), packed, scales, n).view(*lead, n)
 
 
+def pack_q4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit values (uint8 [N, K] in 0..15) with scales and float zero points [N, K / 32] (w = (q - zero)
+    * scale) -> (uint8 [NB, K, 8]: byte j of a block's k holds rows j and j + 8 in its low and high
+    nibble; float32 [NB, K / 32, 32]: per group the 16 rows' scales, then their offsets -zero * scale)."""
+    n, k = q.shape
+    assert k % GROUP == 0 and scales.shape == zeros.shape == (n, k // GROUP), "4-bit groups are 32 wide"
+    nb = -(-n // BLOCK)
+    rows = torch.zeros(nb * BLOCK, k, dtype=torch.uint8, device=q.device)
+    rows[:n] = q
+    by_k = rows.view(nb, BLOCK, k).transpose(1, 2)  # [NB, K, 16]
+    packed = (by_k[..., :8] | (by_k[..., 8:] << 4)).contiguous()
+    params = torch.zeros(nb * BLOCK, k // GROUP, 2, dtype=torch.float32, device=q.device)
+    params[:n, :, 0] = scales.float()
+    params[:n, :, 1] = -zeros.float() * scales.float()
+    # [NB, 16, G, 2] -> [NB, G, 2, 16]
+    return packed, params.view(nb, BLOCK, k // GROUP, 2).permute(0, 2, 3, 1).reshape(
+        nb, k // GROUP, 2 * BLOCK
+    )
+
+
+def unpack_q4(packed: torch.Tensor, params: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 [n, K] weight of `pack_q4`'s layout (q * scale + offset)."""
+    nb, k, _ = packed.shape
+    q = torch.cat((packed & 0xF, packed >> 4), dim=2).transpose(1, 2).reshape(nb * BLOCK, k)[:n].float()
+    per = params.view(nb, k // GROUP, 2, BLOCK).permute(0, 3, 1, 2).reshape(nb * BLOCK, k // GROUP, 2)[:n]
+    scale, offset = (per[..., i].repeat_interleave(GROUP, dim=1) for i in (0, 1))
+    return q * scale + offset
+
+
+def gemm_q4_torch(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, n: int) -> torch.Tensor:
+    """Reference: x [M, K] @ W.T in float32 (W = q * scale + offset per group), in x's dtype."""
+    return (x.float() @ unpack_q4(packed, params, n).t()).to(x.dtype)
+
+
+def gemm_q4(x: torch.Tensor, packed: torch.Tensor, params: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., K] @ W.T with the native op (float32 accumulation), in x's dtype."""
+    lead = x.shape[:-1]
+    return torch.ops.ember.gemm_q4(x.reshape(-1, x.shape[-1]), packed, params, n).view(*lead, n)
+
+
 def gemm_bf16_torch(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """Reference: x [M, K] @ W.T in float32, returned in x's dtype."""
     return (x.float() @ unpack_bf16(packed, n).float().t()).to(x.dtype)

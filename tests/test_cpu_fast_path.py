@@ -230,10 +230,10 @@ def test_short_prompts_prefill_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -
         assert abs(lp_a - lp_b) <= BF16_LOGPROB_TOL
 
 
-def test_int8_native_groups_track_float32(native_run, monkeypatch: pytest.MonkeyPatch) -> None:
-    """int8 on the native matmul (Q8_0-style: one scale per row and 32 inputs, packed) against the
-    unquantized float32 model, teacher-forced along its greedy continuations: within bf16 noise, and on
-    average no further from float32 than int8's per-channel layout on torch's bf16 ops."""
+@pytest.fixture(scope="module")
+def float32_teacher(native_run) -> tuple[list[list[int]], list[int], list[float]]:
+    """The unquantized float32 model's greedy continuations of the prompts and its teacher-forced
+    logprobs along them: (sequences, prompt lengths, logprobs)."""
     prompts = native_run[0]
     with LLM(
         str(default_model_dir()), dtype="float32", max_num_batched_tokens=64, show_progress=False
@@ -241,7 +241,14 @@ def test_int8_native_groups_track_float32(native_run, monkeypatch: pytest.Monkey
         toks, _ = run(llm, prompts)
         seqs = [p + t for p, t in zip(prompts, toks, strict=True)]
         skip = [len(p) for p in prompts]
-        ref = forced_logprobs(llm, seqs, skip)
+        return seqs, skip, forced_logprobs(llm, seqs, skip)
+
+
+def test_int8_native_groups_track_float32(float32_teacher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 on the native matmul (Q8_0-style: one scale per row and 32 inputs, packed) against the
+    unquantized float32 model, teacher-forced along its greedy continuations: within bf16 noise, and on
+    average no further from float32 than int8's per-channel layout on torch's bf16 ops."""
+    seqs, skip, ref = float32_teacher
     with bf16_engine("int8") as llm:
         proj = llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj
         assert proj.weight.dtype == torch.int8, "int8 weights stay int8 when packed"
@@ -252,4 +259,14 @@ def test_int8_native_groups_track_float32(native_run, monkeypatch: pytest.Monkey
         f"torch per-channel {sum(err_theirs) / len(ref):.4f}"
     )
     assert max(err_ours) <= 2 * BF16_LOGPROB_TOL, f"native int8 logprobs differ by up to {max(err_ours):.3f}"
+    assert sum(err_ours) <= 1.25 * sum(err_theirs)
+
+
+def test_int4_native_tracks_int4_on_torch(float32_teacher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 on the native 4-bit matmul (int4's own values, repacked) against the float32 model,
+    teacher-forced: on average no further from float32 than int4 on torch's bf16 ops."""
+    seqs, skip, ref = float32_teacher
+    err_ours, err_theirs = native_and_torch_errors("int4", seqs, skip, ref, monkeypatch)
+    mean_ours, mean_theirs = sum(err_ours) / len(ref), sum(err_theirs) / len(ref)
+    print(f"int4 mean |dlogprob| vs float32: native {mean_ours:.4f}, torch {mean_theirs:.4f}")
     assert sum(err_ours) <= 1.25 * sum(err_theirs)

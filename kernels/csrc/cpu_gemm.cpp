@@ -1,5 +1,5 @@
-// Ember CPU fast path: y[M, N] = x[M, K] @ W[N, K]^T with W in bf16, fp8 (e4m3) or int8 with a scale per
-// 32 k (Q8_0 groups), packed for AVX2 + FMA.
+// Ember CPU fast path: y[M, N] = x[M, K] @ W[N, K]^T with W in bf16, fp8 (e4m3), int8 with a scale per
+// 32 k (Q8_0 groups) or 4-bit with a scale and an offset per 32 k, packed for AVX2 + FMA.
 //
 // Built on first use by kernels/native.py through torch.utils.cpp_extension (only light ATen
 // headers) and registered as torch.ops.ember.gemm_bf16 / gemm_fp8; threads come from torch's own
@@ -37,16 +37,20 @@ constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread wal
 constexpr int64_t kChunkK = 256;   // k steps per pass over a block: its widened slice (16 KiB) stays in L1
 
 // Weight formats of a block: already widened to float32 [K, 16], packed bf16, packed fp8, packed int8
-// with one float32 scale per 32 k per row (GGUF's Q8_0 groups).
-enum Fmt { kF32 = 0, kBf16 = 1, kFp8 = 2, kQ8 = 3 };
+// with one float32 scale per 32 k per row (GGUF's Q8_0 groups), packed 4-bit with a scale and an offset
+// per 32 k per row (w = q * scale + offset, q in 0..15: Q4_0 / Q4_1 / Q4_K groups).
+enum Fmt { kF32 = 0, kBf16 = 1, kFp8 = 2, kQ8 = 3, kQ4 = 4 };
 constexpr int64_t block_bytes(int fmt) {
-  return fmt == kFp8 || fmt == kQ8 ? kBlock : fmt == kBf16 ? 2 * kBlock : 4 * kBlock;
+  return fmt == kQ4 ? kBlock / 2 : fmt == kFp8 || fmt == kQ8 ? kBlock : fmt == kBf16 ? 2 * kBlock : 4 * kBlock;
 }
-constexpr int64_t kGroup = 32;  // k per int8 scale
-// The int8 scales of k step k of a block ([K / 32, 16] floats from `sc`); nothing for other formats.
+constexpr bool grouped(int fmt) { return fmt == kQ8 || fmt == kQ4; }
+constexpr int64_t kGroup = 32;  // k per group of the integer formats
+// floats per group of a block: the 16 rows' scales (int8), then their offsets (4-bit)
+constexpr int64_t group_floats(int fmt) { return fmt == kQ4 ? 2 * kBlock : kBlock; }
+// The group parameters of k step k of a block ([K / 32, group_floats] from `sc`); none for other formats.
 template <int F>
 inline const float* group_scales(const float* sc, int64_t k) {
-  return F == kQ8 ? sc + (k / kGroup) * kBlock : nullptr;
+  return grouped(F) ? sc + (k / kGroup) * group_floats(F) : nullptr;
 }
 // e4m3 -> fp16 patterns are 2^-8 times the fp8 values: the matmul's scale takes the 2^8 back
 constexpr float kFp8Unit = 256.0f;
@@ -54,7 +58,15 @@ constexpr float kFp8Unit = 256.0f;
 // One k of a block -> rows 0..7 (lo) and 8..15 (hi) as float32 (int8: times the 16 rows' scales `sc`).
 template <int F>
 inline void unpack(const uint8_t* w, __m256& lo, __m256& hi, const float* sc = nullptr) {
-  if constexpr (F == kQ8) {
+  if constexpr (F == kQ4) {
+    // byte j holds row j (low nibble) and row j + 8 (high nibble)
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m256 ql = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, nib)));
+    const __m256 qh = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
+    lo = _mm256_fmadd_ps(ql, _mm256_loadu_ps(sc), _mm256_loadu_ps(sc + kBlock));
+    hi = _mm256_fmadd_ps(qh, _mm256_loadu_ps(sc + 8), _mm256_loadu_ps(sc + kBlock + 8));
+  } else if constexpr (F == kQ8) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
     lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_loadu_ps(sc));
     hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), _mm256_loadu_ps(sc + 8));
@@ -153,7 +165,7 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale,
           int64_t first_col, int64_t n, const float* sc) {
   static_assert(R * G <= kMaxRows, "twelve accumulators at most");
   const int64_t stride = K * block_bytes(F);
-  const int64_t sc_stride = (K / kGroup) * kBlock;  // int8: one block's scales
+  const int64_t sc_stride = (K / kGroup) * group_floats(F);  // integer formats: one block's parameters
   __m256 lo[R][G], hi[R][G];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < G; ++j) lo[r][j] = hi[r][j] = _mm256_setzero_ps();
@@ -163,7 +175,7 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale,
     for (int j = 0; j < G; ++j) {
       __m256 wl, wh;
       unpack<F>(w + j * stride + k * block_bytes(F), wl, wh,
-                F == kQ8 ? group_scales<F>(sc + j * sc_stride, k) : nullptr);
+                grouped(F) ? group_scales<F>(sc + j * sc_stride, k) : nullptr);
       for (int r = 0; r < R; ++r) {
         lo[r][j] = _mm256_fmadd_ps(wl, xb[r], lo[r][j]);
         hi[r][j] = _mm256_fmadd_ps(wh, xb[r], hi[r][j]);
@@ -186,8 +198,8 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale,
 template <int R, int F>
 void few_rows(const float* x, int64_t ldx, const uint8_t* wp, int64_t K, int64_t NB, float scale, float* out,
               int64_t ldo, int64_t n, const float* sc) {
-  const int64_t sc_stride = (K / kGroup) * kBlock;
-  auto scales_of = [&](int64_t b) { return F == kQ8 ? sc + b * sc_stride : nullptr; };
+  const int64_t sc_stride = (K / kGroup) * group_floats(F);
+  auto scales_of = [&](int64_t b) { return grouped(F) ? sc + b * sc_stride : nullptr; };
   constexpr int G = R == 1 ? 4 : R == 2 ? 3 : 2;
   const int64_t groups = (NB + G - 1) / G;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -247,7 +259,8 @@ void many_rows(const float* pan, int64_t mc, int64_t K, const uint8_t* wp, int64
       for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
         const int64_t kn = std::min(kChunkK, K - k0);
         const uint8_t* wb = wp + (b * K + k0) * block_bytes(F);
-        const float* sb = F == kQ8 ? sc + (b * (K / kGroup) + k0 / kGroup) * kBlock : nullptr;  // kChunkK % 32 == 0
+        // kChunkK % 32 == 0: a pass starts at a group
+        const float* sb = grouped(F) ? sc + (b * (K / kGroup) + k0 / kGroup) * group_floats(F) : nullptr;
         if (widen) widen_block<F>(wb, kn, wide.data(), sb);
         for (const auto& [r, R] : tiles) {
           const float* xt = pan + r * K + k0 * R;
@@ -300,7 +313,8 @@ void prepare_rows(const T* x, int64_t M, int64_t K, float* rowbuf, float* pan) {
 template <int F>
 at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, float scale,
                        const float* sc = nullptr) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock, "gemm: bad shapes");
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == (F == kQ4 ? kBlock / 2 : kBlock),
+              "gemm: bad shapes");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "gemm: CPU tensors only");
   TORCH_CHECK(packed.is_contiguous(), "gemm: the packed weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
@@ -370,6 +384,20 @@ at::Tensor gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tens
   return gemm_packed<kQ8>(x, packed, n, 1.0f, scales.const_data_ptr<float>());
 }
 
+// x [M, K], packed [NB, K, 8] uint8 (byte j of block b at k: rows 16b + j and 16b + j + 8 in its low and
+// high nibble), params float32 [NB, K / 32, 32]: per group the 16 rows' scales, then their offsets
+// (W[row, k] = q * scale + offset). K must be a multiple of 32.
+at::Tensor gemm_q4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t n) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kBlock / 2,
+              "gemm_q4: the packed weight must be uint8 [NB, K, 8]");
+  TORCH_CHECK(packed.is_contiguous() && packed.size(1) % kGroup == 0, "gemm_q4: K must be a multiple of 32");
+  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() && params.device().is_cpu() &&
+                  params.dim() == 3 && params.size(0) == packed.size(0) &&
+                  params.size(1) == packed.size(1) / kGroup && params.size(2) == 2 * kBlock,
+              "gemm_q4: params must be float32 [NB, K / 32, 32] on the CPU");
+  return gemm_packed<kQ4>(x, packed, n, 1.0f, params.const_data_ptr<float>());
+}
+
 // W [N, K] (2-byte or 1-byte elements, rows contiguous) -> [NB, K, 16] in the layout of pack_bf16 /
 // pack_fp8 in cpu_gemm.py (rows past N are zero): the load-time packing, at memory speed.
 template <typename E, bool Pairs>
@@ -416,4 +444,5 @@ TORCH_LIBRARY(ember, m) {
   m.def("gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor", gemm_bf16);
   m.def("gemm_fp8(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", gemm_fp8);
   m.def("gemm_q8(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor", gemm_q8);
+  m.def("gemm_q4(Tensor x, Tensor packed, Tensor params, int n) -> Tensor", gemm_q4);
 }

@@ -319,3 +319,50 @@ def test_int8_method_packs_groups_for_the_native_kernel(native_ops) -> None:
         out = method.apply(layer, x)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), x.float() @ w.float().t(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 12, 13, 101])
+@pytest.mark.parametrize(("n", "k"), [(17, 64), (64, 256), (200, 32), (33, 608)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_q4_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    """4-bit with a scale and an offset per row and 32 k: the layout holds int4's values exactly (the
+    dequantized weight equals int4's own), and the native matmul equals exact float64 and the torch
+    reference over every row-count path; rows are bit-identical whatever the batch."""
+    from kernels.cpu_gemm import gemm_q4, gemm_q4_torch, pack_q4, unpack_q4
+    from kernels.int4_matmul import dequantize_int4, unpack_int4
+    from workers.quant.int4 import quantize_groupwise
+
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    packed4, scales, zeros = quantize_groupwise(torch.randn(n, k, generator=gen), 32)
+    packed, params = pack_q4(unpack_int4(packed4), scales, zeros)
+    assert packed.shape == (-(-n // 16), k, 8) and params.shape == (-(-n // 16), k // 32, 32)
+    w = unpack_q4(packed, params, n)
+    torch.testing.assert_close(w, dequantize_int4(packed4, scales, zeros, 32), atol=1e-6, rtol=1e-6)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    out = gemm_q4(x, packed, params, n)
+    assert out.shape == (m, n) and out.dtype == dtype
+    tol = 1e-5 * k if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), x.double() @ w.double().t(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), gemm_q4_torch(x, packed, params, n).float(), atol=tol, rtol=tol)
+    if m > 1:
+        assert torch.equal(gemm_q4(x[:1], packed, params, n), out[:1])
+
+
+def test_int4_method_packs_for_the_native_kernel(native_ops) -> None:
+    """Under the cpu_bf16 kernel, int4 with groups of 32 repacks for the native matmul; other group
+    sizes and inputs keep int4's own layout; both apply like int4 on the torch reference."""
+    plain = make_method("int4", "torch")
+    for k, group, dims in ((64, 32, 3), (48, 32, 2), (64, 64, 2)):
+        method = make_method("int4", "cpu_bf16", group_size=group)
+        layers = []
+        for m in (method, make_method("int4", "torch", group_size=group)):
+            layer = torch.nn.Module()
+            m.create_weights(layer, 24, k)
+            layer.weight.data = torch.randn(24, k, generator=torch.Generator().manual_seed(k)).bfloat16()
+            m.process_weights_after_loading(layer)
+            layers.append(layer)
+        assert layers[0].weight.dim() == dims
+        x = torch.randn(5, k).bfloat16()
+        ours, ref = method.apply(layers[0], x), plain.apply(layers[1], x)
+        assert ours.dtype == torch.bfloat16
+        torch.testing.assert_close(ours.float(), ref.float(), atol=5e-2, rtol=5e-2)

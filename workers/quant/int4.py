@@ -5,7 +5,9 @@ default, GGUF's block size: weights that come from a 4-bit GGUF are reproduced e
 the row length when it does not divide it, recorded in the layer's attributes); each group has a
 scale and a float zero point. Storage: uint8 [out, in/2] (two values per byte) plus scales
 and zeros [out, in/group] in the compute dtype. Matmul: the Triton dequant-matmul kernel on CUDA, the
-torch reference (dequantize, then dense matmul) elsewhere.
+torch reference (dequantize, then dense matmul) elsewhere. Native CPU layout (bf16 engines where the
+native ops build, groups of 32): the same values repacked for `kernels.cpu_gemm.gemm_q4`, which
+streams the nibbles and widens them in registers (a scale and an offset per row and group).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import math
 
 import torch
 
-from kernels.int4_matmul import int4_matmul_torch, int4_matmul_triton, pack_int4
+from kernels.cpu_gemm import GROUP, gemm_q4, pack_q4
+from kernels.int4_matmul import int4_matmul_torch, int4_matmul_triton, pack_int4, unpack_int4
 from workers.quant.base import QuantLayer, QuantMethod
 
 
@@ -34,10 +37,22 @@ def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 class Int4Grouped(QuantMethod):
     name = "int4"
+    native_layout = "cpu_int4_packed16"
 
-    def __init__(self, group_size: int = 32) -> None:
-        super().__init__(group_size=group_size)
+    def __init__(self, group_size: int = 32, **params: object) -> None:
+        super().__init__(group_size=group_size, **params)
         self.group_size = group_size
+
+    @property
+    def native(self) -> bool:
+        return self.params.get("layout") == self.native_layout and self.group_size == GROUP
+
+    def head_method(self) -> QuantMethod | None:
+        if not self.native:
+            return None
+        from workers.quant.packed import PackedBf16
+
+        return PackedBf16()  # a bf16 head, packed for the native matmul like the unquantized path's
 
     def tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale", "weight_zero")
@@ -49,12 +64,22 @@ class Int4Grouped(QuantMethod):
             raise ValueError(f"int4 needs an even input size, got {k}")
         group = self.group_size if k % self.group_size == 0 else math.gcd(k, self.group_size)
         packed, scale, zero = quantize_groupwise(w, group)
+        if self.native and group == GROUP:
+            blocks, params = pack_q4(unpack_int4(packed), scale, zero)
+            self.replace(layer, "weight", blocks)
+            self.replace(layer, "weight_scale", params)
+            self.replace(layer, "weight_zero", torch.zeros(0, dtype=w.dtype))  # folded into the offsets
+            layer.quant_attrs = {"group_size": group, "in_features": k, "out_features": int(w.shape[0])}
+            return
         self.replace(layer, "weight", packed)
         self.replace(layer, "weight_scale", scale.to(w.dtype))
         self.replace(layer, "weight_zero", zero.to(w.dtype))
         layer.quant_attrs = {"group_size": group, "in_features": k}
 
     def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if "out_features" in layer.quant_attrs:
+            y = gemm_q4(x, layer.weight, layer.weight_scale, layer.quant_attrs["out_features"])
+            return y if bias is None else y + bias
         group = layer.quant_attrs["group_size"]
         x2 = x.reshape(-1, x.shape[-1])
         matmul = int4_matmul_triton if x.device.type == "cuda" else int4_matmul_torch
