@@ -387,11 +387,19 @@ def _cmd(pid: int) -> str:
         return ""
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8_per_tensor"])
+PACKED_DTYPES = {
+    None: torch.bfloat16,
+    "fp8_per_tensor": torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "int4": torch.uint8,
+}
+
+
+@pytest.mark.parametrize("quantization", list(PACKED_DTYPES))
 def test_packed_weights_come_from_the_cache(model, tmp_path, monkeypatch, quantization):
-    """bf16 on the CPU fast path: the daemon holds the packed layout (bf16, or fp8 with a packed bf16
-    head), an engine maps it and generates what a disk-loaded engine does; an engine on the torch
-    kernels does not take it (layout differs)."""
+    """bf16 on the CPU fast path: the daemon holds the packed layout (bf16, or fp8 / int8 / int4 with a
+    packed bf16 head), an engine maps it and generates what a disk-loaded engine does; an engine on
+    the torch kernels does not take it (layout differs)."""
     from kernels.native import load_native
 
     if load_native() is not None:
@@ -410,7 +418,7 @@ def test_packed_weights_come_from_the_cache(model, tmp_path, monkeypatch, quanti
             net = cached.engine.executor.worker.runner.model
             assert net.lm_head.weight.dim() == 3 and net.lm_head.quant_attrs == {"out_features": 4096}
             down = net.model.layers[0].mlp.down_proj.weight
-            assert down.dim() == 3 and down.dtype == (torch.float8_e4m3fn if quantization else torch.bfloat16)
+            assert down.dim() == 3 and down.dtype == PACKED_DTYPES[quantization]
             assert tokens(cached) == expected
         monkeypatch.setenv("EMBER_CPU_KERNELS", "torch")
         with LLM(model, **cache) as plain:
