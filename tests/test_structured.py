@@ -197,6 +197,8 @@ def test_constraint_starts_after_the_marker_and_follows_rollbacks(llama: str) ->
     mask(after + one + one)
     assert mask(after + one) == mask(after + tok.encode("7", add_special_tokens=False))  # rolled back
     assert mask(after) == first
+    assert len(mask(thinking)) == vocab  # the marker was a rejected proposal: free again
+    assert mask(after + one) <= allowed  # and constrained once it is really there
     assert so.pop_failed() == {}
 
 

@@ -173,8 +173,13 @@ class StructuredOutputs:
     def _sync(self, state: _Constraint, output_ids: list[int]) -> bool:
         """Bring the matcher to `output_ids`; False when this row is not constrained (the constraint
         has not begun, or a proposal before this position broke the grammar: the row is discarded)."""
+        n = len(state.after)
+        if state.start is not None and n and output_ids[state.start - n : state.start] != state.after:
+            if state.accepted:  # the marker was a proposal that got rejected: start over
+                state.matcher.rollback(len(state.accepted))
+            state.accepted.clear()
+            state.start = None
         if state.start is None:
-            n = len(state.after)
             if n == 0:
                 state.start = 0
             else:
