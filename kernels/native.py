@@ -3,8 +3,8 @@
 Used by worker processes (and the preload daemon) on CPU devices. `load_native` compiles
 csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: 30-60 s on 2 cores, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
-flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, gemm_fp8, decode_attention,
-rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process;
+flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, gemm_fp8, qgemm,
+decode_attention, rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process;
 $EMBER_CPU_KERNELS=torch turns the native ops off (the torch references then run everywhere), =native
 makes their absence an error.
 """
@@ -27,7 +27,7 @@ ENV_VAR = "EMBER_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / f
-    for f in ("cpu_gemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp")
+    for f in ("cpu_gemm.cpp", "cpu_qgemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp")
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_vec.h", "cpu_ops.h"))
 LIBRARY = "ember_cpu_ops"

@@ -245,14 +245,16 @@ def float32_teacher(native_run) -> tuple[list[list[int]], list[int], list[float]
 
 
 def test_int8_native_groups_track_float32(float32_teacher, monkeypatch: pytest.MonkeyPatch) -> None:
-    """int8 on the native matmul (Q8_0-style: one scale per row and 32 inputs, packed) against the
-    unquantized float32 model, teacher-forced along its greedy continuations: within bf16 noise, and on
-    average no further from float32 than int8's per-channel layout on torch's bf16 ops."""
+    """int8 on the native integer-dot matmul (Q8_0-style weights: one scale per row and 32 inputs,
+    packed; activations quantized to int8 per 32 inputs) against the unquantized float32 model,
+    teacher-forced along its greedy continuations: within bf16 noise, and on average no further from
+    float32 than int8's per-channel layout on torch's bf16 ops."""
     seqs, skip, ref = float32_teacher
     with bf16_engine("int8") as llm:
         proj = llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj
-        assert proj.weight.dtype == torch.int8, "int8 weights stay int8 when packed"
-        assert proj.weight_scale.shape == (proj.weight.shape[0], proj.weight.shape[1] // 32, 16)
+        assert proj.weight.dtype == torch.uint8 and proj.quant_attrs["kind"] == "i8", "packed for qgemm"
+        attrs = proj.quant_attrs
+        assert proj.weight.shape[:2] == (-(-attrs["out_features"] // 16), -(-attrs["in_features"] // 32))
     err_ours, err_theirs = native_and_torch_errors("int8", seqs, skip, ref, monkeypatch)
     print(
         f"int8 mean |dlogprob| vs float32: native groups {sum(err_ours) / len(ref):.4f}, "

@@ -390,7 +390,7 @@ def _cmd(pid: int) -> str:
 PACKED_DTYPES = {
     None: torch.bfloat16,
     "fp8_per_tensor": torch.float8_e4m3fn,
-    "int8": torch.int8,
+    "int8": torch.uint8,
     "int4": torch.uint8,
 }
 

@@ -1,5 +1,4 @@
-// Ember CPU fast path: y[M, N] = x[M, K] @ W[N, K]^T with W in bf16, fp8 (e4m3), int8 with a scale per
-// 32 k (Q8_0 groups) or 4-bit with a scale and an offset per 32 k, packed for AVX2 + FMA.
+// Ember CPU fast path: y[M, N] = x[M, K] @ W[N, K]^T with W in bf16 or fp8 (e4m3), packed for AVX2 + FMA.
 //
 // Built on first use by kernels/native.py through torch.utils.cpp_extension (only light ATen
 // headers) and registered as torch.ops.ember.gemm_bf16 / gemm_fp8; threads come from torch's own
@@ -36,41 +35,16 @@ constexpr int kMaxRows = 6;  // rows of x per micro-kernel call
 constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread walks its weight blocks
 constexpr int64_t kChunkK = 256;   // k steps per pass over a block: its widened slice (16 KiB) stays in L1
 
-// Weight formats of a block: already widened to float32 [K, 16], packed bf16, packed fp8, packed int8
-// with one float32 scale per 32 k per row (GGUF's Q8_0 groups), packed 4-bit with a scale and an offset
-// per 32 k per row (w = q * scale + offset, q in 0..15: Q4_0 / Q4_1 / Q4_K groups).
-enum Fmt { kF32 = 0, kBf16 = 1, kFp8 = 2, kQ8 = 3, kQ4 = 4 };
-constexpr int64_t block_bytes(int fmt) {
-  return fmt == kQ4 ? kBlock / 2 : fmt == kFp8 || fmt == kQ8 ? kBlock : fmt == kBf16 ? 2 * kBlock : 4 * kBlock;
-}
-constexpr bool grouped(int fmt) { return fmt == kQ8 || fmt == kQ4; }
-constexpr int64_t kGroup = 32;  // k per group of the integer formats
-// floats per group of a block: the 16 rows' scales (int8), then their offsets (4-bit)
-constexpr int64_t group_floats(int fmt) { return fmt == kQ4 ? 2 * kBlock : kBlock; }
-// The group parameters of k step k of a block ([K / 32, group_floats] from `sc`); none for other formats.
-template <int F>
-inline const float* group_scales(const float* sc, int64_t k) {
-  return grouped(F) ? sc + (k / kGroup) * group_floats(F) : nullptr;
-}
+// Weight formats of a block: already widened to float32 [K, 16], packed bf16, packed fp8.
+enum Fmt { kF32 = 0, kBf16 = 1, kFp8 = 2 };
+constexpr int64_t block_bytes(int fmt) { return fmt == kFp8 ? kBlock : fmt == kBf16 ? 2 * kBlock : 4 * kBlock; }
 // e4m3 -> fp16 patterns are 2^-8 times the fp8 values: the matmul's scale takes the 2^8 back
 constexpr float kFp8Unit = 256.0f;
 
-// One k of a block -> rows 0..7 (lo) and 8..15 (hi) as float32 (int8: times the 16 rows' scales `sc`).
+// One k of a block -> rows 0..7 (lo) and 8..15 (hi) as float32.
 template <int F>
-inline void unpack(const uint8_t* w, __m256& lo, __m256& hi, const float* sc = nullptr) {
-  if constexpr (F == kQ4) {
-    // byte j holds row j (low nibble) and row j + 8 (high nibble)
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w));
-    const __m128i nib = _mm_set1_epi8(0x0F);
-    const __m256 ql = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, nib)));
-    const __m256 qh = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), nib)));
-    lo = _mm256_fmadd_ps(ql, _mm256_loadu_ps(sc), _mm256_loadu_ps(sc + kBlock));
-    hi = _mm256_fmadd_ps(qh, _mm256_loadu_ps(sc + 8), _mm256_loadu_ps(sc + kBlock + 8));
-  } else if constexpr (F == kQ8) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
-    lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_loadu_ps(sc));
-    hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), _mm256_loadu_ps(sc + 8));
-  } else if constexpr (F == kF32) {
+inline void unpack(const uint8_t* w, __m256& lo, __m256& hi) {
+  if constexpr (F == kF32) {
     lo = _mm256_loadu_ps(reinterpret_cast<const float*>(w));
     hi = _mm256_loadu_ps(reinterpret_cast<const float*>(w) + 8);
   } else if constexpr (F == kBf16) {
@@ -114,7 +88,7 @@ inline void unpack(const uint8_t* w, __m256& lo, __m256& hi, const float* sc = n
 // w is the block in format F: packed, or (kF32) already widened, which spares the conversion ops per
 // k when many rows reuse the block.
 template <int R, int F>
-void micro(const float* x, const uint8_t* w, int64_t kn, float* acc, bool first, const float* sc) {
+void micro(const float* x, const uint8_t* w, int64_t kn, float* acc, bool first) {
   static_assert(R <= kMaxRows, "twelve accumulators at most");
   __m256 c0a = _mm256_setzero_ps(), c0b = c0a, c1a = c0a, c1b = c0a, c2a = c0a, c2b = c0a;
   __m256 c3a = c0a, c3b = c0a, c4a = c0a, c4b = c0a, c5a = c0a, c5b = c0a;
@@ -124,7 +98,7 @@ void micro(const float* x, const uint8_t* w, int64_t kn, float* acc, bool first,
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kn; ++k) {
     __m256 lo, hi;
-    unpack<F>(w + k * block_bytes(F), lo, hi, group_scales<F>(sc, k));
+    unpack<F>(w + k * block_bytes(F), lo, hi);
     EMBER_FMA(0) EMBER_FMA(1) EMBER_FMA(2) EMBER_FMA(3) EMBER_FMA(4) EMBER_FMA(5)
   }
   EMBER_STORE(0) EMBER_STORE(1) EMBER_STORE(2) EMBER_STORE(3) EMBER_STORE(4) EMBER_STORE(5)
@@ -134,23 +108,23 @@ void micro(const float* x, const uint8_t* w, int64_t kn, float* acc, bool first,
 #undef EMBER_STORE
 
 template <int F>
-void rows(int R, const float* x, const uint8_t* w, int64_t kn, float* acc, bool first, const float* sc) {
+void rows(int R, const float* x, const uint8_t* w, int64_t kn, float* acc, bool first) {
   switch (R) {
-    case 1: return micro<1, F>(x, w, kn, acc, first, sc);
-    case 2: return micro<2, F>(x, w, kn, acc, first, sc);
-    case 3: return micro<3, F>(x, w, kn, acc, first, sc);
-    case 4: return micro<4, F>(x, w, kn, acc, first, sc);
-    case 5: return micro<5, F>(x, w, kn, acc, first, sc);
-    default: return micro<6, F>(x, w, kn, acc, first, sc);
+    case 1: return micro<1, F>(x, w, kn, acc, first);
+    case 2: return micro<2, F>(x, w, kn, acc, first);
+    case 3: return micro<3, F>(x, w, kn, acc, first);
+    case 4: return micro<4, F>(x, w, kn, acc, first);
+    case 5: return micro<5, F>(x, w, kn, acc, first);
+    default: return micro<6, F>(x, w, kn, acc, first);
   }
 }
 
 // A packed block widened to float32 [K, 16], same lane order.
 template <int F>
-void widen_block(const uint8_t* w, int64_t K, float* dst, const float* sc) {
+void widen_block(const uint8_t* w, int64_t K, float* dst) {
   for (int64_t k = 0; k < K; ++k) {
     __m256 lo, hi;
-    unpack<F>(w + k * block_bytes(F), lo, hi, group_scales<F>(sc, k));
+    unpack<F>(w + k * block_bytes(F), lo, hi);
     _mm256_storeu_ps(dst + k * kBlock, lo);
     _mm256_storeu_ps(dst + k * kBlock + 8, hi);
   }
@@ -162,10 +136,9 @@ void widen_block(const uint8_t* w, int64_t K, float* dst, const float* sc) {
 // over k in order, as in micro(), so results do not depend on R or G.
 template <int R, int G, int F>
 void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale, float* out, int64_t ldo,
-          int64_t first_col, int64_t n, const float* sc) {
+          int64_t first_col, int64_t n) {
   static_assert(R * G <= kMaxRows, "twelve accumulators at most");
   const int64_t stride = K * block_bytes(F);
-  const int64_t sc_stride = (K / kGroup) * group_floats(F);  // integer formats: one block's parameters
   __m256 lo[R][G], hi[R][G];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < G; ++j) lo[r][j] = hi[r][j] = _mm256_setzero_ps();
@@ -174,8 +147,7 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale,
     for (int r = 0; r < R; ++r) xb[r] = _mm256_broadcast_ss(x + r * ldx + k);
     for (int j = 0; j < G; ++j) {
       __m256 wl, wh;
-      unpack<F>(w + j * stride + k * block_bytes(F), wl, wh,
-                grouped(F) ? group_scales<F>(sc + j * sc_stride, k) : nullptr);
+      unpack<F>(w + j * stride + k * block_bytes(F), wl, wh);
       for (int r = 0; r < R; ++r) {
         lo[r][j] = _mm256_fmadd_ps(wl, xb[r], lo[r][j]);
         hi[r][j] = _mm256_fmadd_ps(wh, xb[r], hi[r][j]);
@@ -197,20 +169,18 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale,
 // R (1..3) rows: groups of G = 4 / 3 / 2 blocks, the last few blocks one at a time.
 template <int R, int F>
 void few_rows(const float* x, int64_t ldx, const uint8_t* wp, int64_t K, int64_t NB, float scale, float* out,
-              int64_t ldo, int64_t n, const float* sc) {
-  const int64_t sc_stride = (K / kGroup) * group_floats(F);
-  auto scales_of = [&](int64_t b) { return grouped(F) ? sc + b * sc_stride : nullptr; };
+              int64_t ldo, int64_t n) {
   constexpr int G = R == 1 ? 4 : R == 2 ? 3 : 2;
   const int64_t groups = (NB + G - 1) / G;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * G;
       if (b + G <= NB) {
-        tile<R, G, F>(x, ldx, wp + b * K * block_bytes(F), K, scale, out, ldo, b * kBlock, n, scales_of(b));
+        tile<R, G, F>(x, ldx, wp + b * K * block_bytes(F), K, scale, out, ldo, b * kBlock, n);
         continue;
       }
       for (int64_t t = b; t < NB; ++t)
-        tile<R, 1, F>(x, ldx, wp + t * K * block_bytes(F), K, scale, out, ldo, t * kBlock, n, scales_of(t));
+        tile<R, 1, F>(x, ldx, wp + t * K * block_bytes(F), K, scale, out, ldo, t * kBlock, n);
     }
   });
 }
@@ -248,7 +218,7 @@ void pack_panel(const T* x, int64_t ldx, int R, int64_t K, float* pan) {
 // tile's panel slice streams past it; partial sums park in a per-thread float32 buffer.
 template <int F>
 void many_rows(const float* pan, int64_t mc, int64_t K, const uint8_t* wp, int64_t NB, float scale, float* out,
-               int64_t ldo, int64_t n, const float* sc) {
+               int64_t ldo, int64_t n) {
   const auto tiles = row_tiles(mc);
   const bool widen = mc >= 2 * kMaxRows;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
@@ -259,15 +229,13 @@ void many_rows(const float* pan, int64_t mc, int64_t K, const uint8_t* wp, int64
       for (int64_t k0 = 0; k0 < K; k0 += kChunkK) {
         const int64_t kn = std::min(kChunkK, K - k0);
         const uint8_t* wb = wp + (b * K + k0) * block_bytes(F);
-        // kChunkK % 32 == 0: a pass starts at a group
-        const float* sb = grouped(F) ? sc + (b * (K / kGroup) + k0 / kGroup) * group_floats(F) : nullptr;
-        if (widen) widen_block<F>(wb, kn, wide.data(), sb);
+        if (widen) widen_block<F>(wb, kn, wide.data());
         for (const auto& [r, R] : tiles) {
           const float* xt = pan + r * K + k0 * R;
           if (widen)
-            rows<kF32>(R, xt, wide_bytes, kn, acc.data() + r * kBlock, k0 == 0, nullptr);
+            rows<kF32>(R, xt, wide_bytes, kn, acc.data() + r * kBlock, k0 == 0);
           else
-            rows<F>(R, xt, wb, kn, acc.data() + r * kBlock, k0 == 0, sb);
+            rows<F>(R, xt, wb, kn, acc.data() + r * kBlock, k0 == 0);
         }
       }
       const int64_t nvalid = std::min<int64_t>(kBlock, n - b * kBlock);
@@ -311,10 +279,8 @@ void prepare_rows(const T* x, int64_t M, int64_t K, float* rowbuf, float* pan) {
 
 // out = x @ W^T * scale for W packed in format F ([NB, K, 16]); x [M, K] as float32.
 template <int F>
-at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, float scale,
-                       const float* sc = nullptr) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == (F == kQ4 ? kBlock / 2 : kBlock),
-              "gemm: bad shapes");
+at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, float scale) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock, "gemm: bad shapes");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "gemm: CPU tensors only");
   TORCH_CHECK(packed.is_contiguous(), "gemm: the packed weight must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
@@ -344,10 +310,10 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const int64_t mc = std::min(kRowChunk, M - m0);
     const float* x0 = xrows + m0 * K;
     float* o0 = op + m0 * n;
-    if (mc == 1) few_rows<1, F>(x0, K, wp, K, NB, scale, o0, n, n, sc);
-    if (mc == 2) few_rows<2, F>(x0, K, wp, K, NB, scale, o0, n, n, sc);
-    if (mc == 3) few_rows<3, F>(x0, K, wp, K, NB, scale, o0, n, n, sc);
-    if (mc > 3) many_rows<F>(pan.get() + m0 * K, mc, K, wp, NB, scale, o0, n, n, sc);
+    if (mc == 1) few_rows<1, F>(x0, K, wp, K, NB, scale, o0, n, n);
+    if (mc == 2) few_rows<2, F>(x0, K, wp, K, NB, scale, o0, n, n);
+    if (mc == 3) few_rows<3, F>(x0, K, wp, K, NB, scale, o0, n, n);
+    if (mc > 3) many_rows<F>(pan.get() + m0 * K, mc, K, wp, NB, scale, o0, n, n);
   }
   if (dtype == at::kBFloat16)
     store_row(obuf.get(), out.mutable_data_ptr<c10::BFloat16>(), M * n);
@@ -370,32 +336,6 @@ at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   TORCH_CHECK(scale.numel() == 1 && scale.scalar_type() == at::kFloat && scale.device().is_cpu(),
               "gemm_fp8: scale must be one float32 on the CPU");
   return gemm_packed<kFp8>(x, packed, n, *scale.const_data_ptr<float>() * kFp8Unit);
-}
-
-// x [M, K], packed [NB, K, 16] int8 (the fp8 layout), scales float32 [NB, K / 32, 16]:
-// W[row, k] = packed value * scale of (row, k / 32). K must be a multiple of 32.
-at::Tensor gemm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n) {
-  TORCH_CHECK(packed.scalar_type() == at::kChar, "gemm_q8: the packed weight must be int8");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(1) % kGroup == 0, "gemm_q8: K must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.device().is_cpu() &&
-                  scales.dim() == 3 && scales.size(0) == packed.size(0) &&
-                  scales.size(1) == packed.size(1) / kGroup && scales.size(2) == kBlock,
-              "gemm_q8: scales must be float32 [NB, K / 32, 16] on the CPU");
-  return gemm_packed<kQ8>(x, packed, n, 1.0f, scales.const_data_ptr<float>());
-}
-
-// x [M, K], packed [NB, K, 8] uint8 (byte j of block b at k: rows 16b + j and 16b + j + 8 in its low and
-// high nibble), params float32 [NB, K / 32, 32]: per group the 16 rows' scales, then their offsets
-// (W[row, k] = q * scale + offset). K must be a multiple of 32.
-at::Tensor gemm_q4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params, int64_t n) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == kBlock / 2,
-              "gemm_q4: the packed weight must be uint8 [NB, K, 8]");
-  TORCH_CHECK(packed.is_contiguous() && packed.size(1) % kGroup == 0, "gemm_q4: K must be a multiple of 32");
-  TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() && params.device().is_cpu() &&
-                  params.dim() == 3 && params.size(0) == packed.size(0) &&
-                  params.size(1) == packed.size(1) / kGroup && params.size(2) == 2 * kBlock,
-              "gemm_q4: params must be float32 [NB, K / 32, 32] on the CPU");
-  return gemm_packed<kQ4>(x, packed, n, 1.0f, params.const_data_ptr<float>());
 }
 
 // W [N, K] (2-byte or 1-byte elements, rows contiguous) -> [NB, K, 16] in the layout of pack_bf16 /
@@ -431,8 +371,7 @@ at::Tensor pack_weight(const at::Tensor& w) {
     pack_blocks<uint16_t, true>(static_cast<const uint16_t*>(wc.const_data_ptr()), N, K,
                                 static_cast<uint16_t*>(out.mutable_data_ptr()));
   } else {
-    TORCH_CHECK(wc.scalar_type() == at::kFloat8_e4m3fn || wc.scalar_type() == at::kChar,
-                "pack_weight: bf16, float8_e4m3fn or int8 weights");
+    TORCH_CHECK(wc.scalar_type() == at::kFloat8_e4m3fn, "pack_weight: bf16 or float8_e4m3fn weights");
     pack_blocks<uint8_t, false>(static_cast<const uint8_t*>(wc.const_data_ptr()), N, K,
                                 static_cast<uint8_t*>(out.mutable_data_ptr()));
   }
@@ -443,6 +382,4 @@ TORCH_LIBRARY(ember, m) {
   m.def("pack_weight(Tensor w) -> Tensor", pack_weight);
   m.def("gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor", gemm_bf16);
   m.def("gemm_fp8(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", gemm_fp8);
-  m.def("gemm_q8(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor", gemm_q8);
-  m.def("gemm_q4(Tensor x, Tensor packed, Tensor params, int n) -> Tensor", gemm_q4);
 }

@@ -6,8 +6,8 @@ the row length when it does not divide it, recorded in the layer's attributes); 
 scale and a float zero point. Storage: uint8 [out, in/2] (two values per byte) plus scales
 and zeros [out, in/group] in the compute dtype. Matmul: the Triton dequant-matmul kernel on CUDA, the
 torch reference (dequantize, then dense matmul) elsewhere. Native CPU layout (bf16 engines where the
-native ops build, groups of 32): the same values repacked for `kernels.cpu_gemm.gemm_q4`, which
-streams the nibbles and widens them in registers (a scale and an offset per row and group).
+native ops build, groups of 32): the same values repacked for `kernels.qgemm.qgemm` (a scale and an
+offset per row and group), which multiplies the nibbles with int8-quantized activations.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import math
 
 import torch
 
-from kernels.cpu_gemm import GROUP, gemm_q4, pack_q4
 from kernels.int4_matmul import int4_matmul_torch, int4_matmul_triton, pack_int4, unpack_int4
+from kernels.qgemm import XGROUP, QFormat, pack_qweight
 from workers.quant.base import QuantLayer, QuantMethod
+from workers.quant.qpacked import apply_qpacked, set_qpacked
 
 
 def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -37,7 +38,7 @@ def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 class Int4Grouped(QuantMethod):
     name = "int4"
-    native_layout = "cpu_int4_packed16"
+    native_layout = "cpu_int4_qgemm"
 
     def __init__(self, group_size: int = 32, **params: object) -> None:
         super().__init__(group_size=group_size, **params)
@@ -45,7 +46,7 @@ class Int4Grouped(QuantMethod):
 
     @property
     def native(self) -> bool:
-        return self.params.get("layout") == self.native_layout and self.group_size == GROUP
+        return self.params.get("layout") == self.native_layout and self.group_size == XGROUP
 
     def head_method(self) -> QuantMethod | None:
         if not self.native:
@@ -64,12 +65,10 @@ class Int4Grouped(QuantMethod):
             raise ValueError(f"int4 needs an even input size, got {k}")
         group = self.group_size if k % self.group_size == 0 else math.gcd(k, self.group_size)
         packed, scale, zero = quantize_groupwise(w, group)
-        if self.native and group == GROUP:
-            blocks, params = pack_q4(unpack_int4(packed), scale, zero)
-            self.replace(layer, "weight", blocks)
-            self.replace(layer, "weight_scale", params)
-            self.replace(layer, "weight_zero", torch.zeros(0, dtype=w.dtype))  # folded into the offsets
-            layer.quant_attrs = {"group_size": group, "in_features": k, "out_features": int(w.shape[0])}
+        if self.native and group == XGROUP:
+            fmt = QFormat("u4", offsets=True)
+            blocks = pack_qweight(unpack_int4(packed), scale, fmt, -zero * scale)
+            set_qpacked(self, layer, blocks, fmt, w.shape)
             return
         self.replace(layer, "weight", packed)
         self.replace(layer, "weight_scale", scale.to(w.dtype))
@@ -77,9 +76,8 @@ class Int4Grouped(QuantMethod):
         layer.quant_attrs = {"group_size": group, "in_features": k}
 
     def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if "out_features" in layer.quant_attrs:
-            y = gemm_q4(x, layer.weight, layer.weight_scale, layer.quant_attrs["out_features"])
-            return y if bias is None else y + bias
+        if "kind" in layer.quant_attrs:
+            return apply_qpacked(layer, x, bias)
         group = layer.quant_attrs["group_size"]
         x2 = x.reshape(-1, x.shape[-1])
         matmul = int4_matmul_triton if x.device.type == "cuda" else int4_matmul_torch

@@ -5,8 +5,8 @@ the compute dtype; the matmul runs in the activation dtype on the int8 weight co
 with the scales applied to the output. (torch's fused `_weight_int8pack_mm` was measured 20-40x
 slower than this on AVX2 CPUs without VNNI, so it is not used.) Native CPU layout (bf16 engines where
 the native ops build): one scale per row and 32 inputs, GGUF's Q8_0 groups, packed for
-`kernels.cpu_gemm.gemm_q8`, which streams the int8 bytes and widens them in registers; a layer whose
-input size is not a multiple of 32 keeps the default layout.
+`kernels.qgemm.qgemm`, which multiplies the int8 bytes with int8-quantized activations (the input
+size is padded to a multiple of 32).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_gemm import GROUP, gemm_q8, pack_q8
+from kernels.qgemm import XGROUP, QFormat, pack_qweight, padded_k
 from workers.quant.base import QuantLayer, QuantMethod
+from workers.quant.qpacked import apply_qpacked, set_qpacked
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,19 +27,22 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 [out, in], float32 scales [out, in / group]): symmetric in [-127, 127] per row and group
-    of `group` inputs (GGUF's Q8_0 rounding)."""
+def quantize_groups(w: torch.Tensor, group: int = XGROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [out, in], float32 scales [out, ceil(in / group)]): symmetric in [-127, 127] per row and
+    group of `group` inputs (GGUF's Q8_0 rounding; a last partial group is padded with zeros)."""
     out, k = w.shape
-    g = w.float().view(out, k // group, group)
+    kp = padded_k(k) if group == XGROUP else -(-k // group) * group
+    g = torch.zeros(out, kp, dtype=torch.float32, device=w.device)
+    g[:, :k] = w.float()
+    g = g.view(out, kp // group, group)
     scale = g.abs().amax(dim=2) / 127.0
     q = torch.round(g / scale.clamp(min=1e-12).unsqueeze(2)).clamp(-127, 127).to(torch.int8)
-    return q.view(out, k), scale
+    return q.view(out, kp)[:, :k], scale
 
 
 class Int8WeightOnly(QuantMethod):
     name = "int8"
-    native_layout = "cpu_int8_q8_0_packed16"
+    native_layout = "cpu_int8_q8_0_qgemm"
 
     def head_method(self) -> QuantMethod | None:
         if self.params.get("layout") != self.native_layout:
@@ -53,11 +57,9 @@ class Int8WeightOnly(QuantMethod):
     def process_weights_after_loading(self, layer: QuantLayer) -> None:
         dtype = layer.weight.dtype
         w = layer.weight.data
-        if self.params.get("layout") == self.native_layout and w.shape[1] % GROUP == 0:
-            packed, scales = pack_q8(*quantize_groups(w))
-            self.replace(layer, "weight", packed)
-            self.replace(layer, "weight_scale", scales)
-            layer.quant_attrs = {"out_features": int(w.shape[0])}
+        if self.params.get("layout") == self.native_layout:
+            fmt = QFormat("i8")
+            set_qpacked(self, layer, pack_qweight(*quantize_groups(w), fmt), fmt, w.shape)
             return
         q, scale = quantize_per_channel(w)
         self.replace(layer, "weight", q.contiguous())
@@ -65,8 +67,7 @@ class Int8WeightOnly(QuantMethod):
         layer.quant_attrs = {}
 
     def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if "out_features" in getattr(layer, "quant_attrs", {}):
-            y = gemm_q8(x, layer.weight, layer.weight_scale, layer.quant_attrs["out_features"])
-            return y if bias is None else y + bias
+        if "kind" in getattr(layer, "quant_attrs", {}):
+            return apply_qpacked(layer, x, bias)
         out = F.linear(x, layer.weight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
         return out if bias is None else out + bias

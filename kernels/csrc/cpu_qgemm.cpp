@@ -1,0 +1,375 @@
+// Ember CPU fast path for group-quantized weights: y[M, N] = x[M, K] @ W[N, K]^T with integer dot products.
+//
+// Built with the other native ops (kernels/native.py) and registered as torch.ops.ember.qgemm. The rows of
+// x are quantized per 32 k to int8 (d = max |x| / 127, q = round(x / d), as GGUF's Q8_0), so each 4 k of a
+// weight row meet their 4 activations in one multiply-add of bytes (AVX2: vpmaddubsw + vpmaddwd; AVX-VNNI /
+// AVX-512-VNNI: vpdpbusd, chosen at build time by -march=native). The integer sums are exact; each weight
+// group then adds sum * scale * d (+ offset * d * sum(q) for formats with a minimum) to a float32
+// accumulator, one fixed sequence per output whatever the number of rows: batch invariance.
+//
+// Weights come in blocks of 16 output rows, and within a block in steps of 4 k (see kernels/qgemm.py):
+//   i8: signed bytes, 64 per step: rows 0..7 then rows 8..15, each its 4 k together (Q8_0, Q6_K, int8);
+//   u4: 32 bytes per step, byte 4 i + j = row i (low nibble) and row i + 8 (high nibble) at k j;
+//   u5: per 8 steps their u4 bytes, then two 32-byte planes with the fifth bits (Q5_0 / Q5_1 / Q5_K).
+// Each group of G k (32; 16 for i8) of a block starts with its parameters, 16 float32 scales and (formats
+// with mins) 16 offsets, so a block is one sequential stream: w = (q - zero) * scale, or q * scale + offset.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include "cpu_vec.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+namespace {
+
+constexpr int kBlock = 16;          // output rows per block
+constexpr int64_t kXGroup = 32;     // k per activation scale
+constexpr int64_t kChunkSteps = 64;  // steps (256 k) of a block unpacked at once for many rows: 4 KiB, in L1
+enum QFmt { kI8 = 0, kU4 = 1, kU5 = 2, kU8 = 3 };  // kU8: u4 / u5 steps already unpacked to bytes
+constexpr int64_t step_bytes(int F) { return F == kU4 ? 32 : F == kU5 ? 40 : 64; }
+
+// One quantized activation row: q [Kp] int8, per 32 k its scale d and d * sum(q).
+struct XRow {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+};
+
+// How a group's integers become weights.
+struct Params {
+  int zero;      // w = (q - zero) * scale (when there are no offsets)
+  bool offsets;  // w = q * scale + offset
+  bool mins() const { return offsets || zero != 0; }
+};
+
+// A packed weight: blocks of 16 rows, each `groups` groups of G k stored as [16 scales (, 16 offsets)]
+// [the group's steps], so that a block is one sequential stream.
+struct Weights {
+  const uint8_t* w;
+  int64_t nblocks, groups, gbytes;
+  Params pr;
+  int64_t pbytes() const { return (pr.offsets ? 2 : 1) * kBlock * 4; }
+  int64_t bstride() const { return groups * gbytes; }
+};
+
+// x rows (T = float, bf16 or half) -> int8 per 32 k, zero past K up to Kp.
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d, float* s) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    alignas(32) float buf[kXGroup];
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t g = 0; g < Kp / kXGroup; ++g) {
+        const int64_t k0 = g * kXGroup, kn = std::min<int64_t>(kXGroup, K - k0);
+        if (kn == kXGroup) {
+          load_row(x + m * K + k0, buf, kXGroup);
+        } else {
+          std::fill(buf, buf + kXGroup, 0.0f);
+          load_row(x + m * K + k0, buf, kn);
+        }
+        __m256 v[4], amax = _mm256_setzero_ps();
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm256_load_ps(buf + 8 * i);
+          amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float dd = _mm_cvtss_f32(h) / 127.0f;
+        const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+        __m256i iv[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+          iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
+          sum = _mm256_add_epi32(sum, iv[i]);
+        }
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+        const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * Kp + k0), ordered);
+        alignas(32) int32_t t[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
+        int32_t total = 0;
+        for (int i = 0; i < 8; ++i) total += t[i];
+        d[m * (Kp / kXGroup) + g] = dd;
+        s[m * (Kp / kXGroup) + g] = dd * static_cast<float>(total);
+      }
+    }
+  });
+}
+
+// The fifth bits of step i (0..7) of a plane, as 0x10 per byte: bit i of each byte moved to bit 4 by one
+// 16-bit shift (the neighbour byte's bits that cross over are masked off).
+inline __m256i fifth_bits(__m256i plane, int i) {
+  const __m256i moved = i <= 4 ? _mm256_slli_epi16(plane, 4 - i) : _mm256_srli_epi16(plane, i - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+
+// Step i of a group of 8 (or 4) steps starting at g -> rows 0..7 (a) and 8..15 (b), each 32-bit lane one
+// row's 4 k. i is a constant once the group's loop unrolls, so every address is g plus an immediate.
+template <int F>
+inline void unpack(const uint8_t* g, int i, __m256i& a, __m256i& b) {
+  const uint8_t* w = g + i * (F == kU5 ? 32 : step_bytes(F));
+  if constexpr (F == kI8 || F == kU8) {
+    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+  } else {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    a = _mm256_and_si256(v, nib);
+    b = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    if constexpr (F == kU5) {
+      a = _mm256_or_si256(a, fifth_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 256)), i));
+      b = _mm256_or_si256(b, fifth_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 288)), i));
+    }
+  }
+}
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// acc += per 32-bit lane, the 4-byte dot product of u (unsigned) and x (signed).
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc[R][NB][2] (float32, rows 0..7 and 8..15 of each block) += x rows . the blocks, over gn weight groups
+// from group g0. Group i of block j: its steps at steps + i * sstride + j * bstride, its parameters at
+// params + i * pstride + j * bstride. Per group: exact integer sums, then for each output
+// acc = fma(sum, scale * d, acc) and, with mins, acc = fma(offset, d * sum(q), acc). RUN: steps whose byte
+// products are summed in int16 before widening (u4: 8, as 8 x 2 x 15 x 127 < 2^15; u5: 4).
+template <int R, int NB, int F, int GS, int RUN>
+void tile(const XRow* x, const uint8_t* steps, int64_t sstride, const uint8_t* params, int64_t pstride,
+          int64_t bstride, int64_t g0, int64_t gn, const Params& pr, __m256 (&acc)[R][NB][2]) {
+  for (int64_t gi = 0; gi < gn; ++gi) {
+    const int64_t t = (g0 + gi) * GS, xg = t / (kXGroup / 4);  // first step, activation group
+    __m256i is[R][NB][2], ps[R][NB][2];  // int32 sums; int16 sums of RUN steps (u4 / u5 without VNNI)
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NB; ++j) is[r][j][0] = is[r][j][1] = ps[r][j][0] = ps[r][j][1] = _mm256_setzero_si256();
+    const uint8_t* gw = steps + gi * sstride;
+#pragma GCC unroll 2
+    for (int i = 0; i < GS; ++i) {
+      __m256i xb[R];
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, x[r].q + 4 * (t + i), 4);
+        xb[r] = _mm256_set1_epi32(four);
+      }
+      for (int j = 0; j < NB; ++j) {
+        __m256i a, b;
+        unpack<F>(gw + j * bstride, i, a, b);
+        if constexpr (F == kI8) {
+          const __m256i ua = _mm256_sign_epi8(a, a), ub = _mm256_sign_epi8(b, b);
+          for (int r = 0; r < R; ++r) {
+            is[r][j][0] = dot4(is[r][j][0], ua, _mm256_sign_epi8(xb[r], a));
+            is[r][j][1] = dot4(is[r][j][1], ub, _mm256_sign_epi8(xb[r], b));
+          }
+        } else if constexpr (kVnni) {
+          for (int r = 0; r < R; ++r) {
+            is[r][j][0] = dot4(is[r][j][0], a, xb[r]);
+            is[r][j][1] = dot4(is[r][j][1], b, xb[r]);
+          }
+        } else {
+          for (int r = 0; r < R; ++r) {
+            ps[r][j][0] = _mm256_add_epi16(ps[r][j][0], _mm256_maddubs_epi16(a, xb[r]));
+            ps[r][j][1] = _mm256_add_epi16(ps[r][j][1], _mm256_maddubs_epi16(b, xb[r]));
+          }
+        }
+      }
+      if constexpr (F != kI8 && !kVnni) {
+        if ((i + 1) % RUN == 0) {
+          const __m256i ones = _mm256_set1_epi16(1);
+          for (int r = 0; r < R; ++r)
+            for (int j = 0; j < NB; ++j)
+              for (int h = 0; h < 2; ++h) {
+                is[r][j][h] = _mm256_add_epi32(is[r][j][h], _mm256_madd_epi16(ps[r][j][h], ones));
+                ps[r][j][h] = _mm256_setzero_si256();
+              }
+        }
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const float* pf = reinterpret_cast<const float*>(params + gi * pstride + j * bstride);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_loadu_ps(pf + 8 * h);
+        __m256 off = _mm256_setzero_ps();
+        if (pr.offsets)
+          off = _mm256_loadu_ps(pf + kBlock + 8 * h);
+        else if (pr.zero)
+          off = _mm256_mul_ps(scale, _mm256_set1_ps(static_cast<float>(-pr.zero)));
+        for (int r = 0; r < R; ++r) {
+          const __m256 f = _mm256_cvtepi32_ps(is[r][j][h]);
+          acc[r][j][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(scale, _mm256_set1_ps(x[r].d[xg])), acc[r][j][h]);
+          if (pr.mins()) acc[r][j][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(x[r].s[xg]), acc[r][j][h]);
+        }
+      }
+    }
+  }
+}
+
+// Block results (16 floats: rows 0..7, 8..15) -> out[col .. col + 16) (fewer at the edge).
+inline void store_block(const __m256 (&v)[2], float* out, int64_t col, int64_t n) {
+  alignas(32) float t[kBlock];
+  _mm256_store_ps(t, v[0]);
+  _mm256_store_ps(t + 8, v[1]);
+  std::copy(t, t + std::min<int64_t>(kBlock, n - col), out + col);
+}
+
+constexpr int run_of(int F) { return F == kU4 ? 8 : 4; }
+
+// R rows against NB blocks from block b, over all groups, into out.
+template <int R, int NB, int F, int GS>
+void blocks_at(const XRow* x, const Weights& wt, int64_t b, float* out, int64_t ldo, int64_t n) {
+  __m256 acc[R][NB][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const uint8_t* blk = wt.w + b * wt.bstride();
+  tile<R, NB, F, GS, run_of(F)>(x, blk + wt.pbytes(), wt.gbytes, blk, wt.gbytes, wt.bstride(), 0, wt.groups, wt.pr,
+                                 acc);
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) store_block(acc[r][j], out + r * ldo, (b + j) * kBlock, n);
+}
+
+// R (1..3) rows against groups of 4 / 3 / 2 blocks (decode, verification): the packed bits stream once.
+template <int R, int F, int GS>
+void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
+  constexpr int G = R == 1 ? 4 : R == 2 ? 3 : 2;
+  const int64_t groups = (wt.nblocks + G - 1) / G;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g * G;
+      if (b + G <= wt.nblocks) {
+        blocks_at<R, G, F, GS>(x, wt, b, out, ldo, n);
+        continue;
+      }
+      for (int64_t t = b; t < wt.nblocks; ++t) blocks_at<R, 1, F, GS>(x, wt, t, out, ldo, n);
+    }
+  });
+}
+
+// Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 2]. steps / sstride: the
+// groups' steps (i8: in the block; u4 / u5: unpacked to bytes), params: group g0's parameters.
+template <int R, int F, int GS>
+void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
+                const Weights& wt, int64_t g0, int64_t gn, __m256* acc) {
+  constexpr int W = F == kI8 ? kI8 : kU8;
+  __m256 a[R][1][2];
+  for (int r = 0; r < R; ++r) a[r][0][0] = acc[2 * (m + r)], a[r][0][1] = acc[2 * (m + r) + 1];
+  tile<R, 1, W, GS, run_of(F)>(x + m, steps, sstride, params, wt.gbytes, 0, g0, gn, wt.pr, a);
+  for (int r = 0; r < R; ++r) acc[2 * (m + r)] = a[r][0][0], acc[2 * (m + r) + 1] = a[r][0][1];
+}
+
+// 4 or more rows: threads split the blocks; each block is walked in chunks of kChunkSteps steps (u4 / u5
+// unpacked to bytes once per chunk: 4 KiB, in L1) against tiles of 4 rows (the last 1-3 rows a smaller
+// tile); float sums park in acc [M, 2] between chunks.
+template <int F, int GS>
+void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t ldo, int64_t n) {
+  constexpr int64_t chunk = kChunkSteps / GS;  // groups per chunk
+  at::parallel_for(0, wt.nblocks, 1, [&](int64_t b0, int64_t b1) {
+    std::unique_ptr<__m256[]> acc(new __m256[M * 2]);
+    std::unique_ptr<uint8_t[]> wide(F == kI8 ? nullptr : new uint8_t[kChunkSteps * 64]);
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t m = 0; m < 2 * M; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t c0 = 0; c0 < wt.groups; c0 += chunk) {
+        const int64_t gn = std::min(chunk, wt.groups - c0);
+        const uint8_t* params = wt.w + b * wt.bstride() + c0 * wt.gbytes;
+        const uint8_t* steps = params + wt.pbytes();
+        int64_t sstride = wt.gbytes;
+        if constexpr (F != kI8) {
+          for (int64_t g = 0; g < gn; ++g)
+            for (int i = 0; i < GS; ++i) {
+              __m256i lo, hi;
+              unpack<F>(steps + g * wt.gbytes, i, lo, hi);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.get() + (g * GS + i) * 64), lo);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.get() + (g * GS + i) * 64 + 32), hi);
+            }
+          steps = wide.get();
+          sstride = GS * 64;
+        }
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) chunk_rows<4, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
+        if (M - m == 3) chunk_rows<3, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
+        if (M - m == 2) chunk_rows<2, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
+        if (M - m == 1) chunk_rows<1, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const __m256 v[2] = {acc[2 * m], acc[2 * m + 1]};
+        store_block(v, out + m * ldo, b * kBlock, n);
+      }
+    }
+  });
+}
+
+template <int F, int GS>
+void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t n) {
+  if (M == 1) return few_rows<1, F, GS>(x, wt, out, n, n);
+  if (M == 2) return few_rows<2, F, GS>(x, wt, out, n, n);
+  if (M == 3) return few_rows<3, F, GS>(x, wt, out, n, n);
+  many_rows<F, GS>(x, M, wt, out, n, n);
+}
+
+}  // namespace
+
+// x [M, K] (float32, bf16 or half), packed uint8 [NB, Kp / group, group bytes] (see Weights), fmt 0 i8 /
+// 1 u4 / 2 u5; n output rows (<= 16 NB). Returns [M, n] in x's dtype.
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
+                 bool offsets, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qgemm: x must be a 2-D CPU tensor");
+  TORCH_CHECK(fmt >= kI8 && fmt <= kU5, "qgemm: fmt must be 0 (i8), 1 (u4) or 2 (u5)");
+  TORCH_CHECK(group == 32 || (group == 16 && fmt == kI8 && !offsets && zero == 0),
+              "qgemm: groups are 32 k (16 only for i8)");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
+                  packed.device().is_cpu(),
+              "qgemm: the packed weight must be contiguous uint8 [NB, groups, group bytes] on the CPU");
+  const Params pr{static_cast<int>(zero), offsets};
+  const int64_t steps = group / 4;
+  const int64_t gbytes = (offsets ? 2 : 1) * kBlock * 4 + steps * step_bytes(static_cast<int>(fmt));
+  const int64_t M = x.size(0), K = x.size(1), NBlk = packed.size(0), Kp = packed.size(1) * group;
+  TORCH_CHECK(packed.size(2) == gbytes, "qgemm: group bytes do not match the format");
+  TORCH_CHECK(K <= Kp && Kp - K < kXGroup, "qgemm: weight/input size mismatch");
+  TORCH_CHECK(n <= NBlk * kBlock && n > (NBlk - 1) * kBlock, "qgemm: n does not match the blocks");
+  const at::Tensor xc = x.contiguous();
+  const auto dtype = xc.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "qgemm: activations must be float32, bfloat16 or float16");
+  const int64_t ng = Kp / kXGroup;
+  const std::unique_ptr<int8_t[]> xq(new int8_t[M * Kp]);
+  const std::unique_ptr<float[]> xd(new float[M * ng * 2]), obuf(new float[M * n]);
+  float* xs = xd.get() + M * ng;
+  if (dtype == at::kBFloat16)
+    quantize_rows(xc.const_data_ptr<c10::BFloat16>(), M, K, Kp, xq.get(), xd.get(), xs);
+  else if (dtype == at::kHalf)
+    quantize_rows(xc.const_data_ptr<c10::Half>(), M, K, Kp, xq.get(), xd.get(), xs);
+  else
+    quantize_rows(xc.const_data_ptr<float>(), M, K, Kp, xq.get(), xd.get(), xs);
+  std::unique_ptr<XRow[]> rows(new XRow[M]);
+  for (int64_t m = 0; m < M; ++m) rows[m] = {xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng};
+  const Weights wt{packed.const_data_ptr<uint8_t>(), NBlk, packed.size(1), gbytes, pr};
+  at::Tensor out = at::empty({M, n}, xc.options());
+  float* o = dtype == at::kFloat ? out.mutable_data_ptr<float>() : obuf.get();
+  if (M > 0) {
+    if (fmt == kI8 && group == 16) run_format<kI8, 4>(rows.get(), M, wt, o, n);
+    if (fmt == kI8 && group == 32) run_format<kI8, 8>(rows.get(), M, wt, o, n);
+    if (fmt == kU4) run_format<kU4, 8>(rows.get(), M, wt, o, n);
+    if (fmt == kU5) run_format<kU5, 8>(rows.get(), M, wt, o, n);
+  }
+  if (dtype == at::kBFloat16) store_row(o, out.mutable_data_ptr<c10::BFloat16>(), M * n);
+  if (dtype == at::kHalf) store_row(o, out.mutable_data_ptr<c10::Half>(), M * n);
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(ember, m) {
+  m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, int n) -> Tensor", qgemm);
+}
