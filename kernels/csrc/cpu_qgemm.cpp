@@ -259,29 +259,31 @@ void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t
   });
 }
 
-// Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 2]. steps / sstride: the
+// Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 16]. steps / sstride: the
 // groups' steps (i8: in the block; u4 / u5: unpacked to bytes), params: group g0's parameters.
 template <int R, int F, int GS>
 void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
-                const Weights& wt, int64_t g0, int64_t gn, __m256* acc) {
+                const Weights& wt, int64_t g0, int64_t gn, float* acc) {
   constexpr int W = F == kI8 ? kI8 : kU8;
   __m256 a[R][1][2];
-  for (int r = 0; r < R; ++r) a[r][0][0] = acc[2 * (m + r)], a[r][0][1] = acc[2 * (m + r) + 1];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) a[r][0][h] = _mm256_loadu_ps(acc + (m + r) * kBlock + 8 * h);
   tile<R, 1, W, GS, run_of(F)>(x + m, steps, sstride, params, wt.gbytes, 0, g0, gn, wt.pr, a);
-  for (int r = 0; r < R; ++r) acc[2 * (m + r)] = a[r][0][0], acc[2 * (m + r) + 1] = a[r][0][1];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m + r) * kBlock + 8 * h, a[r][0][h]);
 }
 
 // 4 or more rows: threads split the blocks; each block is walked in chunks of kChunkSteps steps (u4 / u5
 // unpacked to bytes once per chunk: 4 KiB, in L1) against tiles of 4 rows (the last 1-3 rows a smaller
-// tile); float sums park in acc [M, 2] between chunks.
+// tile); float sums park in acc [M, 16] between chunks.
 template <int F, int GS>
 void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t ldo, int64_t n) {
   constexpr int64_t chunk = kChunkSteps / GS;  // groups per chunk
   at::parallel_for(0, wt.nblocks, 1, [&](int64_t b0, int64_t b1) {
-    std::unique_ptr<__m256[]> acc(new __m256[M * 2]);
+    std::unique_ptr<float[]> acc(new float[M * kBlock]);
     std::unique_ptr<uint8_t[]> wide(F == kI8 ? nullptr : new uint8_t[kChunkSteps * 64]);
     for (int64_t b = b0; b < b1; ++b) {
-      for (int64_t m = 0; m < 2 * M; ++m) acc[m] = _mm256_setzero_ps();
+      std::fill(acc.get(), acc.get() + M * kBlock, 0.0f);
       for (int64_t c0 = 0; c0 < wt.groups; c0 += chunk) {
         const int64_t gn = std::min(chunk, wt.groups - c0);
         const uint8_t* params = wt.w + b * wt.bstride() + c0 * wt.gbytes;
@@ -305,7 +307,7 @@ void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t 
         if (M - m == 1) chunk_rows<1, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
       }
       for (int64_t m = 0; m < M; ++m) {
-        const __m256 v[2] = {acc[2 * m], acc[2 * m + 1]};
+        const __m256 v[2] = {_mm256_loadu_ps(acc.get() + m * kBlock), _mm256_loadu_ps(acc.get() + m * kBlock + 8)};
         store_block(v, out + m * ldo, b * kBlock, n);
       }
     }
