@@ -74,9 +74,11 @@ def pack_qweight(
         data = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(nb, groups, -1)
         if fmt.kind == "u5":
             # after each group's 8 x 32 nibble bytes, 2 planes of 32 bytes: bit i = the fifth bit at step i
-            bits = ((by_step >> 4) & 1).reshape(nb, groups, 8, 64).int()
-            weights = (1 << torch.arange(8, dtype=torch.int32)).view(1, 1, 8, 1)
-            data = torch.cat((data, (bits * weights).sum(2).to(torch.uint8)), dim=2)
+            bits = ((by_step >> 4) & 1).reshape(nb, groups, 8, 64)
+            planes = bits[:, :, 0].clone()
+            for i in range(1, 8):
+                planes |= bits[:, :, i] << i
+            data = torch.cat((data, planes), dim=2)
     per = [scales] + ([offsets] if offsets is not None else [])
     params = torch.zeros(len(per), nb * BLOCK, groups, dtype=torch.float32)
     for i, p in enumerate(per):

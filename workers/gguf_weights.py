@@ -6,17 +6,21 @@ exactly as the `gguf` package's reference does (`workers.gguf_dequant`), renamed
 names (`blk.3.attn_q.weight`) to transformers' (`model.layers.3.self_attn.q_proj.weight`), and for
 the `llama` architecture the rotary permutation that llama.cpp's converter applies to the q and k
 projections is undone. Names with no mapping come out unchanged, so the loader names them in its error.
+With `native=True` (the CPU fast path) 2-D tensors of the types `workers.gguf_repack` handles come out
+as `GGUFTensor`s instead: their bytes, unpermuted by rows, for a quantization method to repack.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from coreproc.gguf_file import GGUFFile, TensorInfo
-from workers.gguf_dequant import dequantize
+from workers.gguf_dequant import dequantize, nbytes, type_name
+from workers.gguf_repack import REPACKABLE, Repacked, repack
 
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK = {
@@ -58,18 +62,55 @@ def raw_bytes(gguf: GGUFFile, info: TensorInfo) -> torch.Tensor:
         return torch.frombuffer(gguf.data(info), dtype=torch.uint8)
 
 
-def iter_gguf(gguf: GGUFFile) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file name, transformers name, float32 tensor) for every tensor of the file, lazily."""
+@dataclass
+class GGUFTensor:
+    """A quantized 2-D GGUF tensor as stored: `raw` uint8 [N, bytes per row] (rows are whole blocks)."""
+
+    raw: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.raw, self.qtype, self.shape)
+
+    def repack(self) -> Repacked:
+        return repack(self.raw.contiguous(), self.qtype, self.shape)
+
+
+def iter_gguf(gguf: GGUFFile, native: bool = False) -> Iterator[tuple[str, str, torch.Tensor | GGUFTensor]]:
+    """(file name, transformers name, tensor) for every tensor of the file, lazily: float32, or with
+    `native` a `GGUFTensor` for each 2-D tensor that `workers.gguf_repack` can repack."""
     arch = gguf.architecture
     q_heads = int(gguf.metadata.get(f"{arch}.attention.head_count") or 0)
     kv_heads = int(gguf.metadata.get(f"{arch}.attention.head_count_kv") or q_heads)
     heads = {"attn_q": q_heads, "attn_k": kv_heads}
     for name, info in gguf.tensors.items():
-        try:
-            tensor = dequantize(raw_bytes(gguf, info), info.qtype, info.shape)
-        except ValueError as e:
-            raise ValueError(f"tensor {name}: {e}") from None
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
-        if arch == "llama" and kind in heads and heads[kind]:
-            tensor = unpermute_rotary(tensor, heads[kind])
+        permute = arch == "llama" and kind in heads and heads[kind]
+        tensor: torch.Tensor | GGUFTensor
+        if native and len(info.shape) == 2 and info.qtype in REPACKABLE:
+            n, k = (int(s) for s in info.shape)
+            raw = raw_bytes(gguf, info)
+            try:
+                need = nbytes(info.qtype, (n, k))
+            except ValueError as e:
+                raise ValueError(f"tensor {name}: {e}") from None
+            if raw.numel() != need:
+                raise ValueError(f"tensor {name}: needs {need} bytes, the file has {raw.numel()}")
+            raw = raw.view(n, -1)
+            if permute:  # rows are whole blocks: undo the permutation on the bytes
+                order = unpermute_rotary(torch.arange(n), heads[kind])
+                raw = raw.index_select(0, order)
+            tensor = GGUFTensor(raw, info.qtype, (n, k))
+        else:
+            try:
+                tensor = dequantize(raw_bytes(gguf, info), info.qtype, info.shape)
+            except ValueError as e:
+                raise ValueError(f"tensor {name}: {e}") from None
+            if permute:
+                tensor = unpermute_rotary(tensor, heads[kind])
         yield gguf.path.name, hf_name(name), tensor

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from coreproc.errors import EmberError
 from coreproc.gguf_file import GGUFFile, is_gguf
 from kernels import AttentionBackend
-from workers.gguf_weights import iter_gguf
+from workers.gguf_weights import GGUFTensor, iter_gguf
 from workers.models import resolve
 from workers.models.layers import weight_loader_of
 from workers.models.llama import LlamaForCausalLM
@@ -72,11 +72,14 @@ def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, str, torch.Tensor]
                 yield path.name, name, f.get_tensor(name)
 
 
-def open_checkpoint(files: list[Path]) -> tuple[int, Iterator[tuple[str, str, torch.Tensor]]]:
-    """How many tensors the files hold, and the lazy (file, name, tensor) iterator over them."""
+def open_checkpoint(
+    files: list[Path], native_gguf: bool = False
+) -> tuple[int, Iterator[tuple[str, str, torch.Tensor | GGUFTensor]]]:
+    """How many tensors the files hold, and the lazy (file, name, tensor) iterator over them (a GGUF
+    file's quantized tensors as stored when `native_gguf`)."""
     if len(files) == 1 and is_gguf(files[0]):
         gguf = GGUFFile(files[0])
-        return len(gguf.tensors), iter_gguf(gguf)
+        return len(gguf.tensors), iter_gguf(gguf, native_gguf)
     total = 0
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -91,7 +94,14 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
     ignored = getattr(model, "ignored_suffixes", ())
     tied = getattr(model, "tie_word_embeddings", False)
     seen: dict[str, set] = {}
-    total, tensors = open_checkpoint(files)
+    # a parameter's modules (a tied head shares the embedding's): those whose method repacks GGUF
+    # tensors get the stored bytes, the others their dequantized values
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    native = any(hasattr(getattr(m, "quant", None), "load_quantized") for m in model.modules())
+    total, tensors = open_checkpoint(files, native)
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress)
     with bar, torch.no_grad():
         for file, name, tensor in tensors:
@@ -110,7 +120,13 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
                     f"{type(model).__name__} has no such parameter"
                 )
             try:
-                weight_loader_of(param)(param, tensor, shard)
+                values = (
+                    load_quantized(owners.get(id(param), []), tensor, shard)
+                    if isinstance(tensor, GGUFTensor)
+                    else tensor
+                )
+                if values is not None:
+                    weight_loader_of(param)(param, values, shard)
             except ValueError as e:
                 raise WeightLoadError(f"tensor {name} in {file}: {e}") from None
             seen.setdefault(target, set()).add(shard)
@@ -122,6 +138,19 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
         need = shards_needed.get(leaf, 1)
         if len(seen.get(pname, ())) < need:
             raise WeightLoadError(f"checkpoint is missing weights for parameter {pname}")
+
+
+def load_quantized(modules: list[nn.Module], tensor: GGUFTensor, shard: Any) -> torch.Tensor | None:
+    """Hand a GGUF tensor's bytes to the modules whose method repacks them; the dequantized tensor
+    when another module needs the values (an embedding), else None."""
+    plain = False
+    for module in modules:
+        load = getattr(getattr(module, "quant", None), "load_quantized", None)
+        if load is not None:
+            load(module, tensor, shard)
+        else:
+            plain = True
+    return tensor.dequantize() if plain or not modules else None
 
 
 def quantize(model: nn.Module) -> float:
@@ -197,8 +226,9 @@ def construct(
     """The architecture's module tree on `device` (the meta device builds it without memory)."""
     hf_config = read_hf_config(model_dir)
     cls = resolve(architecture)
+    method = make_method(quantization, kernel, gguf=is_gguf(model_dir))
     with torch.device(device), default_dtype(dtype):
-        return cls(hf_config, tp, backend, max_positions, quant=make_method(quantization, kernel))
+        return cls(hf_config, tp, backend, max_positions, quant=method)
 
 
 def build_model(

@@ -3,8 +3,9 @@
 Runs in worker processes (and the config validates names in every process). `resolve_name` maps
 aliases and refuses unknown methods with the list of supported ones; `make_method` builds the
 `QuantMethod` that every linear layer of the model shares (for no quantization, the linear kernel
-chosen by `kernels.cpu_gemm.select_linear_kernel` decides between plain and packed bf16 weights, and
-a method with a native CPU layout gets `layout=` it under that kernel).
+chosen by `kernels.cpu_gemm.select_linear_kernel` decides between plain and packed bf16 weights, or
+a GGUF checkpoint's own quantized weights; a method with a native CPU layout gets `layout=` it under
+that kernel).
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ def resolve_name(name: str | None) -> str | None:
     return resolve_quantization(name)
 
 
-def make_method(name: str | None, kernel: str = "torch", **params: Any) -> Any:
-    """The method object for a canonical name (None: unquantized, packed for the "cpu_bf16" kernel)."""
+def make_method(name: str | None, kernel: str = "torch", gguf: bool = False, **params: Any) -> Any:
+    """The method object for a canonical name (None: unquantized, packed for the "cpu_bf16" kernel, or
+    for a GGUF checkpoint under that kernel its own quantized weights repacked)."""
+    if name is None and kernel == "cpu_bf16" and gguf:
+        from workers.quant.gguf import GGUFPacked
+
+        return GGUFPacked()
     if name is None and kernel == "cpu_bf16":
         from workers.quant.packed import PackedBf16
 

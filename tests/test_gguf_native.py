@@ -1,0 +1,190 @@
+"""GGUF quantized weights in their own bits on the CPU fast path (workers/gguf_repack.py, quant/gguf.py).
+
+Every repackable type (Q8_0, Q6_K, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K) becomes integers and group
+parameters that stand for exactly the reference dequantization, on random blocks. Tiny GGUF files
+(written by `tools.hf_to_gguf`) load on the bf16 CPU fast path with each linear in the file's own
+format (fused shards of different types as segments), holding exactly the file's values (llama's q/k
+rows unpermuted, a tied head packed beside its dequantized embedding), and generate like the float32
+engine on the same file within the error of int8 activations.
+Run: `pytest -q tests/test_gguf_native.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from coreproc import LLM, SamplingParams
+from coreproc.gguf_file import GGUFFile
+from kernels.qgemm import pack_qweight, unpack_qweight
+from tools.hf_to_gguf import write_gguf
+from workers.gguf_dequant import dequantize
+from workers.gguf_repack import REPACKABLE, repack
+from workers.gguf_weights import GGUFTensor, iter_gguf
+
+pytestmark = pytest.mark.model
+
+T = GGMLQuantizationType
+# byte offsets of each type's float16 fields (scales, mins): random bytes elsewhere are valid blocks
+F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2]}
+F16_FIELDS |= {T.Q5_K: [0, 2], T.Q6_K: [208]}
+PROMPTS = [[1, 5, 9, 200, 31], [1, 77, 78], [1, 300, 301, 302, 303, 304, 305, 306, 42]]
+
+
+@pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
+def test_repack_stands_for_the_reference_dequantization(qtype: int) -> None:
+    block, size = GGML_QUANT_SIZES[T(qtype)]
+    n, k = 21, 3 * block
+    gen = torch.Generator().manual_seed(qtype)
+    raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=gen)
+    for offset in F16_FIELDS[T(qtype)]:
+        halves = (torch.rand(raw.shape[0], generator=gen) * 0.1).half()
+        raw[:, offset : offset + 2] = halves.view(torch.uint8).view(-1, 2)
+    part = repack(raw.reshape(-1), qtype, (n, k))
+    assert part.q.shape == (n, k) and part.scales.shape == (n, k // part.fmt.group)
+    packed = pack_qweight(part.q, part.scales, part.fmt, part.offsets)
+    assert torch.equal(unpack_qweight(packed, part.fmt, n, k), dequantize(raw.reshape(-1), qtype, (n, k)))
+
+
+@pytest.fixture(scope="module")
+def native_ops() -> None:
+    """The native CPU ops (the path under test); skip where they cannot build."""
+    from kernels.native import load_native
+
+    reason = load_native()
+    if reason is not None:
+        pytest.skip(f"native CPU ops unavailable: {reason}")
+
+
+@pytest.fixture(scope="module")
+def gguf_files(make_ckpt, tmp_path_factory):
+    root, made = tmp_path_factory.mktemp("gguf-native"), {}
+
+    def make(arch: str, qtype: str, **kwargs):
+        key = (arch, qtype, tuple(sorted(kwargs.items())))
+        if key not in made:
+            folder = make_ckpt(arch, **kwargs)
+            made[key] = write_gguf(folder, root / f"{arch}-{qtype}-{len(made)}.gguf", qtype)
+        return made[key]
+
+    return make
+
+
+def engine(path, **kwargs) -> LLM:
+    return LLM(str(path), max_num_batched_tokens=64, show_progress=False, **kwargs)
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", "Q4_1"), ("qwen2", "Q5_0"), ("qwen3", "Q8_0")])
+def test_layers_hold_the_files_bits(native_ops, gguf_files, arch: str, qtype: str) -> None:
+    """Each linear (and the head) is packed in its tensor's own format and stands for exactly the
+    reference dequantization of the file's tensors, stacked as the model fuses them."""
+    path = gguf_files(arch, qtype)
+    file_tensors = {name: t for _, name, t in iter_gguf(GGUFFile(path), native=True)}
+    with engine(path, dtype="bfloat16") as llm:
+        net = llm.engine.executor.worker.runner.model
+        layer = net.model.layers[0]
+        prefix = "model.layers.0."
+        fused = {
+            layer.self_attn.qkv_proj: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+            layer.self_attn.o_proj: ["self_attn.o_proj"],
+            layer.mlp.gate_up_proj: ["mlp.gate_proj", "mlp.up_proj"],
+            layer.mlp.down_proj: ["mlp.down_proj"],
+        }
+        for module, names in fused.items():
+            assert type(module.quant).__name__ == "GGUFPacked"
+            expected = torch.cat([file_tensors[f"{prefix}{n}.weight"].dequantize() for n in names])
+            assert torch.equal(unpacked(module), expected), names
+        head_name = "lm_head.weight" if "lm_head.weight" in file_tensors else "model.embed_tokens.weight"
+        head = file_tensors[head_name]
+        assert isinstance(head, GGUFTensor)
+        assert torch.equal(unpacked(net.lm_head)[: head.shape[0]], head.dequantize())
+        embedding = net.model.embed_tokens.weight
+        assert embedding.dtype == torch.bfloat16 and embedding.dim() == 2  # dequantized rows for lookups
+
+
+def unpacked(module) -> torch.Tensor:
+    """A GGUF-packed layer's float32 weight, from its segments."""
+    from workers.quant.qpacked import qformat
+
+    attrs, rows = module.quant_attrs, []
+    for s in attrs["segments"]:
+        size = s["shape"][0] * s["shape"][1] * s["shape"][2]
+        packed = module.weight.narrow(0, s["offset"], size).view(*s["shape"])
+        fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"])
+        rows.append(unpack_qweight(packed, fmt, s["rows"], attrs["in_features"]))
+    return torch.cat(rows)
+
+
+def test_fused_shards_of_different_types_become_segments(native_ops, gguf_files, tmp_path) -> None:
+    """q and k in Q5_0, v in Q8_0 (as llama.cpp's Q4_K_M files mix them): two segments, one matmul."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter, quants
+
+    src = gguf_files("qwen2", "Q5_0")
+    reader = GGUFReader(src)
+    path = tmp_path / "mixed.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        writer.add_key_value(
+            field.name, value, field.types[0], field.types[-1] if len(field.types) > 1 else None
+        )
+    for t in reader.tensors:
+        data = quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+        if t.name.endswith("attn_v.weight"):
+            writer.add_tensor(t.name, quants.quantize(data, T.Q8_0), raw_dtype=T.Q8_0)
+        elif t.tensor_type == T.Q5_0:
+            writer.add_tensor(t.name, quants.quantize(data, T.Q5_0), raw_dtype=T.Q5_0)
+        else:
+            writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8, logprobs=0)
+    with engine(path, dtype="bfloat16") as llm:
+        qkv = llm.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj
+        assert [(s["kind"], s["zero"]) for s in qkv.quant_attrs["segments"]] == [("u5", 16), ("i8", 0)]
+        ours = llm.generate(PROMPTS, params, use_tqdm=False)
+    with engine(path, dtype="float32") as ref_llm:
+        ref = ref_llm.generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(ours, ref, strict=True):
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        token = b.outputs[0].token_ids[0]
+        if token in first_a:
+            assert abs(first_a[token].logprob - first_b[token].logprob) < 0.1
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", "Q4_0"), ("qwen2", "Q5_1")])
+def test_generates_like_the_float32_engine(native_ops, gguf_files, arch: str, qtype: str) -> None:
+    """Teacher-forced along the float32 engine's greedy continuations of the same file: the native
+    engine's logprobs stay within the error of bf16 activations quantized to int8 per 32 inputs."""
+    path = gguf_files(arch, qtype)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
+    with engine(path, dtype="float32") as ref_llm:
+        seqs = [
+            p + o.outputs[0].token_ids
+            for p, o in zip(PROMPTS, ref_llm.generate(PROMPTS, greedy, use_tqdm=False))
+        ]
+        ref = forced(ref_llm, seqs)
+    with engine(path, dtype="bfloat16") as llm:
+        assert (
+            type(llm.engine.executor.worker.runner.model.model.layers[0].mlp.down_proj.quant).__name__
+            == "GGUFPacked"
+        )
+        ours = forced(llm, seqs)
+    errors = [abs(a - b) for a, b in zip(ours, ref, strict=True)]
+    assert max(errors) < 0.25 and sum(errors) / len(errors) < 0.05, (max(errors), sum(errors) / len(errors))
+
+
+def forced(llm: LLM, seqs: list[list[int]]) -> list[float]:
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    outs = llm.generate(seqs, params, use_tqdm=False)
+    return [
+        lp[tok].logprob
+        for o, seq in zip(outs, seqs, strict=True)
+        for tok, lp in zip(seq[1:], o.prompt_logprobs[1:], strict=True)
+    ]

@@ -1,0 +1,151 @@
+"""GGUF quantized tensors in their own bits: integers and group parameters for the CPU integer-dot matmul.
+
+Runs in worker processes while a GGUF checkpoint loads on the CPU fast path. `repack` turns a tensor's
+stored blocks into a `Repacked` weight: integers q [N, K], float32 scales (and offsets) per row and
+group of 32 inputs (16 for Q6_K), and the `kernels.qgemm.QFormat` that makes them weights, with no
+rounding: Q8_0 and Q6_K become i8 (w = q * scale), Q4_0 / Q5_0 u4 / u5 with their zero point 8 / 16,
+Q4_1 / Q5_1 / Q4_K / Q5_K u4 / u5 with offsets (w = q * scale + offset; a K-quant's scale is d times
+its 6-bit sub-scale and its offset minus dmin times its 6-bit min, both exact in float32). The field
+layouts are those `workers.gguf_dequant` reads, which match the `gguf` package's reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
+
+from kernels.qgemm import QFormat
+from workers.gguf_dequant import _K_SCALE_SIZE, _bits, _f16, _k_scale_min, _nibbles, _q5_low_high
+
+_T = GGMLQuantizationType
+
+
+@dataclass
+class Repacked:
+    """A [N, K] weight as integers and per-group parameters (see the module docstring)."""
+
+    q: torch.Tensor  # int8 (i8) or uint8 (u4 / u5) [N, K]
+    scales: torch.Tensor  # float32 [N, K / group]
+    offsets: torch.Tensor | None  # float32 [N, K / group] when fmt.offsets
+    fmt: QFormat
+
+    @property
+    def rows(self) -> int:
+        return int(self.q.shape[0])
+
+    def narrow_rows(self, start: int, length: int) -> Repacked:
+        off = None if self.offsets is None else self.offsets.narrow(0, start, length)
+        return Repacked(self.q.narrow(0, start, length), self.scales.narrow(0, start, length), off, self.fmt)
+
+    def narrow_cols(self, start: int, length: int) -> Repacked:
+        group = self.fmt.group
+        if start % group or length % group:
+            raise ValueError(f"inputs {start}..{start + length} cut its groups of {group}")
+        g0, gn = start // group, length // group
+        off = None if self.offsets is None else self.offsets[:, g0 : g0 + gn]
+        return Repacked(self.q[:, start : start + length], self.scales[:, g0 : g0 + gn], off, self.fmt)
+
+    def pad_rows(self, rows: int) -> Repacked:
+        """Zero rows appended up to `rows` (a vocabulary shard past the vocabulary's end)."""
+        extra = rows - self.rows
+        if extra <= 0:
+            return self
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat((t, torch.zeros(extra, *t.shape[1:], dtype=t.dtype)))
+
+        return Repacked(
+            pad(self.q), pad(self.scales), None if self.offsets is None else pad(self.offsets), self.fmt
+        )
+
+
+def concat(parts: list[Repacked]) -> Repacked:
+    """Parts of one format stacked by rows (the shards of a fused projection)."""
+    assert len({p.fmt for p in parts}) == 1, "one format"
+    offsets = None if parts[0].offsets is None else torch.cat([p.offsets for p in parts])  # type: ignore[misc]
+    return Repacked(
+        torch.cat([p.q for p in parts]), torch.cat([p.scales for p in parts]), offsets, parts[0].fmt
+    )
+
+
+def _q8_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    return b[:, 2:].contiguous().view(torch.int8), _f16(b[:, :2]), None
+
+
+def _q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    return _nibbles(b[:, 2:], 1, 16).reshape(b.shape[0], 32), _f16(b[:, :2]), None
+
+
+def _q4_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _nibbles(b[:, 4:], 1, 16).reshape(b.shape[0], 32), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    return _q5_low_high(b[:, 2:6], b[:, 6:]), _f16(b[:, :2]), None
+
+
+def _q5_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _q5_low_high(b[:, 4:8], b[:, 8:]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _k_params(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: per sub-block of 32, the scale d * sc and the offset -(dmin * m), float32 (n, 8)."""
+    sc, mn = _k_scale_min(b[:, 4 : 4 + _K_SCALE_SIZE])
+    return _f16(b[:, :2]) * sc.to(torch.float32), -(_f16(b[:, 2:4]) * mn.to(torch.float32))
+
+
+def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale, offset = _k_params(b)
+    return _nibbles(b[:, 4 + _K_SCALE_SIZE :], 4, 32).reshape(b.shape[0], QK_K), scale, offset
+
+
+def _q5_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, start = b.shape[0], 4 + _K_SCALE_SIZE
+    scale, offset = _k_params(b)
+    qh = _bits(b[:, start : start + QK_K // 8], 1, 32, 1).reshape(n, -1, 32)
+    ql = _nibbles(b[:, start + QK_K // 8 :], 4, 32).reshape(n, -1, 32)
+    return (ql | (qh << 4)).reshape(n, QK_K), scale, offset
+
+
+def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    n = b.shape[0]
+    ql_end, qh_end, sc_end = QK_K // 2, QK_K // 2 + QK_K // 4, QK_K // 2 + QK_K // 4 + QK_K // 16
+    scales = _f16(b[:, sc_end:]) * b[:, qh_end:sc_end].contiguous().view(torch.int8).to(torch.float32)
+    ql = _nibbles(b[:, :ql_end], 2, 64).reshape(n, -1, 32)
+    qh = _bits(b[:, ql_end:qh_end], 2, 32, 2).reshape(n, -1, 32)
+    q = ((ql | (qh << 4)).view(torch.int8) - 32).reshape(n, QK_K)
+    return q, scales, None
+
+
+# type -> (the fields of (n_blocks, type_size) bytes: q (n, block), scales and offsets (n, block / group),
+# the format)
+_REPACK: dict[int, tuple[Callable[[torch.Tensor], tuple], QFormat]] = {
+    _T.Q8_0: (_q8_0, QFormat("i8")),
+    _T.Q6_K: (_q6_k, QFormat("i8", group=16)),
+    _T.Q4_0: (_q4_0, QFormat("u4", zero=8)),
+    _T.Q5_0: (_q5_0, QFormat("u5", zero=16)),
+    _T.Q4_1: (_q4_1, QFormat("u4", offsets=True)),
+    _T.Q5_1: (_q5_1, QFormat("u5", offsets=True)),
+    _T.Q4_K: (_q4_k, QFormat("u4", offsets=True)),
+    _T.Q5_K: (_q5_k, QFormat("u5", offsets=True)),
+}
+REPACKABLE: frozenset[int] = frozenset(int(t) for t in _REPACK)
+
+
+def repack(raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> Repacked:
+    """A 2-D tensor's stored bytes (uint8, as in the file) -> its integers and group parameters."""
+    fn, fmt = _REPACK[qtype]
+    n, k = shape
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    assert k % block == 0 and raw.numel() == n * k // block * type_size, "whole blocks"
+    q, scales, offsets = fn(raw.reshape(-1, type_size))
+    groups = k // fmt.group
+    return Repacked(
+        q.reshape(n, k),
+        scales.reshape(n, groups).contiguous(),
+        None if offsets is None else offsets.reshape(n, groups).contiguous(),
+        fmt,
+    )

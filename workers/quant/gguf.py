@@ -1,0 +1,120 @@
+"""gguf: a GGUF checkpoint's quantized weights in their own bits, on the CPU integer-dot matmul.
+
+Runs in worker processes (and the preload daemon). Chosen for a GGUF checkpoint on the CPU fast path
+when no `--quantization` is given. The loader hands each layer its tensors' stored bytes
+(`workers.gguf_weights.GGUFTensor`, through `load_quantized`), which are repacked exactly
+(`workers.gguf_repack`) and sliced for this rank (rows of a fused projection's shard, inputs of a
+row-parallel layer at group boundaries, a vocabulary shard). After loading, the shards of a layer that
+share a format are packed together (`kernels.qgemm`); a fused layer whose shards differ (Q5_0 q and k,
+Q8_0 v) keeps one segment per format, all in one flat uint8 tensor described by `quant_attrs`, and its
+matmul concatenates the segments' outputs. A layer the file stores in floats (F16 / F32) gets the
+packed bf16 matmul. The LM head is packed like any layer (tied heads too: the embedding keeps its
+dequantized rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.cpu_gemm import gemm_bf16, pack_bf16
+from kernels.qgemm import QFormat, pack_qweight, qgemm
+from workers.gguf_repack import Repacked, concat
+from workers.gguf_weights import GGUFTensor
+from workers.quant.base import QuantLayer, QuantMethod
+from workers.quant.qpacked import qformat
+
+PARTS = "gguf_parts"  # plain attribute of a layer while it loads: shard index -> Repacked
+VIEWS = "gguf_views"  # plain attribute, built on first use: [(packed view, format, rows)]
+
+
+class GGUFPacked(QuantMethod):
+    name = "gguf"
+    native_layout = "cpu_gguf_qgemm"
+
+    def config(self) -> dict[str, Any]:
+        return {"method": self.name, "layout": self.native_layout}
+
+    def head_method(self) -> QuantMethod:
+        return self
+
+    def load_quantized(self, layer: QuantLayer, tensor: GGUFTensor, shard: int | None) -> None:
+        """Keep this rank's part of a checkpoint tensor, repacked, until the layer is processed."""
+        part = tensor.repack()
+        parts: dict[int, Repacked] = layer.__dict__.setdefault(PARTS, {})
+        mod: Any = layer  # a ColumnLinear, RowLinear or LMHead (their sizes, by duck typing)
+        tp = getattr(mod, "tp", None)
+        rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+        local_sizes = getattr(mod, "local_sizes", None)
+        if local_sizes is not None:  # ColumnLinear: shard `shard` of the stacked outputs
+            index = shard or 0
+            rows, k = local_sizes[index], int(mod.weight.shape[1])
+            if tensor.shape != (rows * size, k):
+                raise ValueError(f"shape {tensor.shape} does not match expected {(rows * size, k)}")
+            parts[index] = part.narrow_rows(rank * rows, rows)
+        elif hasattr(mod, "local_in"):  # RowLinear: this rank's inputs
+            n, k = int(mod.weight.shape[0]), mod.local_in
+            if tensor.shape != (n, k * size):
+                raise ValueError(f"shape {tensor.shape} does not match expected {(n, k * size)}")
+            try:
+                parts[0] = part.narrow_cols(rank * k, k)
+            except ValueError as e:
+                raise ValueError(f"{tensor.type_name}: tensor parallelism over {size} ranks: {e}") from None
+        else:  # LMHead: this rank's vocabulary rows, zero past the vocabulary
+            vocab, hidden = mod.vocab_size, int(mod.weight.shape[1])
+            if tensor.shape != (vocab, hidden):
+                raise ValueError(f"shape {tensor.shape} does not match expected {(vocab, hidden)}")
+            rows = max(0, min(mod.local_vocab, vocab - mod.start))
+            parts[0] = part.narrow_rows(mod.start, rows).pad_rows(mod.local_vocab)
+
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
+        parts: dict[int, Repacked] = layer.__dict__.pop(PARTS, {})
+        n, k = (int(s) for s in layer.weight.shape)
+        if not parts:  # stored in floats
+            self.replace(layer, "weight", pack_bf16(layer.weight.data))
+            layer.quant_attrs = {"out_features": n}
+            return
+        expected = len(getattr(layer, "local_sizes", [0]))
+        if len(parts) != expected:
+            raise ValueError(f"a fused layer mixes quantized and float shards ({len(parts)} of {expected})")
+        runs: list[list[Repacked]] = []
+        for index in sorted(parts):
+            part = parts[index]
+            if runs and runs[-1][0].fmt == part.fmt:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        packed: list[torch.Tensor] = []
+        segments: list[dict[str, Any]] = []
+        offset = 0
+        for run in runs:
+            whole = concat(run)
+            blocks = pack_qweight(whole.q, whole.scales, whole.fmt, whole.offsets)
+            packed.append(blocks.reshape(-1))
+            segments.append(
+                {"rows": whole.rows, "offset": offset, "shape": list(blocks.shape), **whole.fmt.attrs()}
+            )
+            offset += blocks.numel()
+        assert sum(s["rows"] for s in segments) == n, "the parts fill the layer"
+        self.replace(layer, "weight", torch.cat(packed) if len(packed) > 1 else packed[0])
+        layer.quant_attrs = {"out_features": n, "in_features": k, "segments": segments}
+
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        attrs = layer.quant_attrs
+        if "segments" not in attrs:
+            y = gemm_bf16(x, layer.weight, attrs["out_features"])
+            return y if bias is None else y + bias
+        views: list[tuple[torch.Tensor, QFormat, int]] | None = layer.__dict__.get(VIEWS)
+        if views is None:
+            views = []
+            for s in attrs["segments"]:
+                size = s["shape"][0] * s["shape"][1] * s["shape"][2]
+                view = layer.weight.narrow(0, s["offset"], size).view(*s["shape"])
+                views.append((view, qformat(s["kind"], s["group"], s["zero"], s["offsets"]), s["rows"]))
+            layer.__dict__[VIEWS] = views
+        if len(views) == 1:
+            y = qgemm(x, *views[0])
+        else:
+            y = torch.cat([qgemm(x, *v) for v in views], dim=-1)
+        return y if bias is None else y + bias
