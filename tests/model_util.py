@@ -16,13 +16,29 @@ from workers.parallel import TPGroup
 
 
 def load(
-    path: str, quantization: str | None, dtype: torch.dtype = torch.float32, max_positions: int = 256
+    path: str,
+    quantization: str | None,
+    dtype: torch.dtype = torch.float32,
+    max_positions: int = 256,
+    kernel: str = "torch",
 ) -> torch.nn.Module:
+    """The model as a worker builds it; kernel "cpu_bf16" is the native CPU fast path (bf16 only)."""
     cfg = ModelConfig.from_dir(path, dtype="float32")
     cpu = torch.device("cpu")
-    model, _, _ = build_model(
-        path, cfg.architecture, dtype, cpu, TPGroup(), select_backend(cpu), max_positions, quantization, False
+    backend = select_backend(cpu)
+    args = (
+        path,
+        cfg.architecture,
+        dtype,
+        cpu,
+        TPGroup(),
+        backend,
+        max_positions,
+        quantization,
+        False,
+        kernel,
     )
+    model, _, _ = build_model(*args)
     return model
 
 

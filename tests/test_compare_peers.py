@@ -52,7 +52,8 @@ def test_compare_peers_ember_and_transformers(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "tools.compare_peers", "--model", "coreproc/assets/default_model",
         "--peers", "ember,transformers,vllm,llamacpp", "--no-install", "--work-dir", str(tmp_path / "work"),
-        "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--result-json", str(result_json),
+        "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--prefill-len", "24",
+        "--result-json", str(result_json),
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,6 +62,8 @@ def test_compare_peers_ember_and_transformers(tmp_path: Path) -> None:
         "num_prompts": 2,
         "input_len": 8,
         "output_len": 4,
+        "prefill_len": 24,
+        "gguf": None,
         "threads": 2,
         "dtype": "bfloat16",
         "seed": 0,
@@ -75,6 +78,9 @@ def test_compare_peers_ember_and_transformers(tmp_path: Path) -> None:
         assert p["status"] == "ok", p
         assert p["batch_tps"] > 0 and p["single_tps"] > 0 and p["ready_s"] > 0
         assert p["detail"]["batch_output_tokens"] == 2 * 4 and p["detail"]["single_output_tokens"] == 4
+    ember = peers["ember"]
+    assert ember["detail"]["prefill_tps"] > 0 and ember["detail"]["single_decode_tps"] > 0
+    assert 0 < ember["detail"]["first_token_after_ready_s"] < 60
     for name in ("vllm", "llamacpp"):
         assert peers[name]["status"] == "not installed (--no-install)"
         assert peers[name]["batch_tps"] is None
@@ -82,18 +88,18 @@ def test_compare_peers_ember_and_transformers(tmp_path: Path) -> None:
 
     rows = table_rows(proc.stdout)
     assert "model:" in proc.stdout and "workload:" in proc.stdout and "machine:" in proc.stdout
-    ember = peers["ember"]
+    # peer, version, batch, single, b1 decode, prefill, ready, first token, 3 ratios, status
     for name, p in peers.items():
         cells = rows[name]
         if p["status"] != "ok":
-            assert cells[2:7] == ["-"] * 5 and cells[7] == "not installed (--no-install)"
+            assert cells[2:11] == ["-"] * 9 and cells[11] == "not installed (--no-install)"
             continue
-        assert cells[7] == "ok"
+        assert cells[11] == "ok"
         assert float(cells[2]) == pytest.approx(p["batch_tps"], abs=0.051)
-        assert cells[5] == f"{ember['batch_tps'] / p['batch_tps']:.2f}"
-        assert cells[6] == f"{ember['single_tps'] / p['single_tps']:.2f}"
+        assert cells[8] == f"{ember['batch_tps'] / p['batch_tps']:.2f}"
         assert p["ember_over_peer"]["batch"] == pytest.approx(ember["batch_tps"] / p["batch_tps"])
-    assert rows["ember"][5] == rows["ember"][6] == "1.00"
+    assert rows["ember"][8] == rows["ember"][9] == rows["ember"][10] == "1.00"
+    assert float(rows["ember"][7]) >= float(rows["ember"][6])  # first token after ready
 
 
 @pytest.mark.unit
@@ -115,6 +121,11 @@ def test_batched_bench_command() -> None:
     flags = dict(zip(cmd[1::2], cmd[2::2]))
     assert flags == {"-m": "m.gguf", "-c": str(32 * 256), "-b": "2048", "-ub": "512", "-npp": "128",
                      "-ntg": "128", "-npl": "1,32", "-t": "2", "-tb": "2"}  # fmt: skip
+    prefill = bench_command(
+        "llama-batched-bench", "m.gguf", job | {"prefill_prompt": [5] * 512}, prefill=True
+    )
+    flags = dict(zip(prefill[1::2], prefill[2::2]))
+    assert (flags["-npp"], flags["-ntg"], flags["-npl"], flags["-c"]) == ("512", "1", "1", "513")
 
 
 @pytest.mark.unit

@@ -188,16 +188,19 @@ USED_FIELDS = (
 )
 
 
-def test_llama_config_read_without_transformers_matches_autoconfig(make_ckpt, tmp_path):
-    """A plain Llama config.json is read directly (no transformers import on the start-up path); every
-    field the models read equals what transformers' AutoConfig gives, defaults included."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_config_read_without_transformers_matches_autoconfig(make_ckpt, tmp_path, arch):
+    """A plain Llama (or Qwen2 without sliding windows) config.json is read directly (no transformers
+    import on the start-up path); every field the models read equals what transformers' AutoConfig
+    gives, defaults included."""
     from transformers import AutoConfig
 
     from workers.loader import read_hf_config
     from workers.models.layers import rope_parameters
 
-    src = make_ckpt("llama")
-    for drop in ((), ("rms_norm_eps", "attention_bias", "mlp_bias", "head_dim", "num_key_value_heads")):
+    src = make_ckpt(arch)
+    optional = ("rms_norm_eps", "attention_bias", "mlp_bias", "head_dim")
+    for drop in ((), optional + (("num_key_value_heads",) if arch == "llama" else ())):
         folder = tmp_path / f"drop{len(drop)}"
         shutil.copytree(src, folder)
         raw = json.loads((folder / "config.json").read_text())
@@ -205,9 +208,10 @@ def test_llama_config_read_without_transformers_matches_autoconfig(make_ckpt, tm
             raw.pop(key, None)
         (folder / "config.json").write_text(json.dumps(raw))
         light, ref = read_hf_config(str(folder)), AutoConfig.from_pretrained(str(folder))
-        assert not hasattr(light, "to_dict"), "a plain Llama must not go through transformers"
+        assert not hasattr(light, "to_dict"), "a plain Llama / Qwen2 must not go through transformers"
         for key in USED_FIELDS:
-            assert getattr(light, key) == getattr(ref, key, None), key
+            if arch == "llama" or hasattr(ref, key):  # Qwen2Config has no attention_bias / mlp_bias
+                assert getattr(light, key) == getattr(ref, key, None), key
         heads = ref.num_attention_heads
         assert (light.num_key_value_heads or heads) == (ref.num_key_value_heads or heads)
         ref_head_dim = getattr(ref, "head_dim", None) or ref.hidden_size // heads
@@ -216,11 +220,16 @@ def test_llama_config_read_without_transformers_matches_autoconfig(make_ckpt, tm
             assert rope_parameters(light)[key] == rope_parameters(ref)[key], key
 
 
-def test_other_configs_go_through_transformers(make_ckpt):
+def test_other_configs_go_through_transformers(make_ckpt, tmp_path):
     from workers.loader import read_hf_config
 
-    for arch in ("qwen2", "mistral"):
+    for arch in ("qwen3", "mistral"):
         assert hasattr(read_hf_config(str(make_ckpt(arch))), "to_dict"), arch
+    windowed = tmp_path / "qwen2-windowed"
+    shutil.copytree(make_ckpt("qwen2"), windowed)
+    raw = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps(raw | {"use_sliding_window": True, "sliding_window": 8}))
+    assert hasattr(read_hf_config(str(windowed)), "to_dict")
 
 
 @pytest.mark.e2e

@@ -23,35 +23,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 from frontend.bench.throughput import make_prompts
 from tools.peers import install
 from tools.peers.install import PeerError, log
+from tools.peers.report import PeerResult, header_lines, ratios, render_table
 
 REPO = Path(__file__).resolve().parents[1]
 PEERS_DIR = REPO / "tools" / "peers"
 PEERS = ("ember", "transformers", "vllm", "llamacpp")
 GGUF_TYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 RESULT_PREFIX = "PEER_RESULT "
-
-
-@dataclass
-class PeerResult:
-    """One row of the table. ``status`` is "ok" or why there are no figures."""
-
-    peer: str
-    status: str
-    version: str = ""
-    batch_tps: float | None = None
-    single_tps: float | None = None
-    ready_s: float | None = None
-    detail: dict = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=32, help="batch size of the batch workload")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prompt-processing workload")
+    p.add_argument(
+        "--gguf",
+        default=None,
+        help="a GGUF file that Ember and llama.cpp both run (transformers and vLLM run --model, its "
+        "dequantized folder); without it llama.cpp runs --model converted to GGUF in --dtype",
+    )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every peer (also OMP_NUM_THREADS)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -84,8 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.peers) - set(PEERS))
     if unknown:
         p.error(f"unknown peers {unknown}; choose from {','.join(PEERS)}")
-    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1 or args.threads < 1:
-        p.error("--num-prompts, --input-len, --output-len and --threads must be >= 1")
+    if min(args.num_prompts, args.input_len, args.output_len, args.threads, args.prefill_len) < 1:
+        p.error("--num-prompts, --input-len, --output-len, --prefill-len and --threads must be >= 1")
+    if args.gguf is not None and not Path(args.gguf).is_file():
+        p.error(f"--gguf {args.gguf}: no such file")
     return args
 
 
@@ -156,20 +149,24 @@ def write_job(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> Path:
     tok = load_tokenizer(str(model_dir))
     config = json.loads((model_dir / "config.json").read_text())
     vocab = min(int(config.get("vocab_size") or len(tok)), len(tok))
-    prompts = make_prompts(vocab, set(tok.all_special_ids), args.num_prompts + 3, args.input_len, args.seed)
+    special = set(tok.all_special_ids)
+    prompts = make_prompts(vocab, special, args.num_prompts + 3, args.input_len, args.seed)
+    prefill = make_prompts(vocab, special, 1, args.prefill_len, args.seed + 1)[0]
     n = args.num_prompts
     job = {
         "model": str(model_dir),
+        "gguf": str(Path(args.gguf).resolve()) if args.gguf else None,
         "dtype": args.dtype,
         "threads": args.threads,
         "seed": args.seed,
         "num_prompts": n,
         "input_len": args.input_len,
         "output_len": args.output_len,
-        "max_model_len": args.input_len + args.output_len,
+        "max_model_len": max(args.input_len + args.output_len, args.prefill_len + 1),
         "batch_prompts": prompts[:n],
         "single_prompt": prompts[n],
         "warmup_prompts": prompts[n + 1 :],
+        "prefill_prompt": prefill,
     }
     path = run_dir / "job.json"
     path.write_text(json.dumps(job))
@@ -254,7 +251,10 @@ def peer_command(
         return [str(python), str(PEERS_DIR / "run_vllm.py"), str(job)]
     if peer == "llamacpp":
         binary, src = install.llamacpp_build(work, install=not args.no_install, jobs=os.cpu_count() or 1)
-        gguf = install.convert_gguf(work, src, Path(args.model).resolve(), GGUF_TYPES[args.dtype])
+        if args.gguf:
+            gguf = Path(args.gguf).resolve()
+        else:
+            gguf = install.convert_gguf(work, src, Path(args.model).resolve(), GGUF_TYPES[args.dtype])
         version = f"llama.cpp (llama-cpp-python {install.LLAMA_CPP_PYTHON} sdist)"
         extra = ["--bin", str(binary), "--gguf", str(gguf), "--version", version]
         return [sys.executable, str(PEERS_DIR / "run_llamacpp.py"), str(job), *extra]
@@ -292,60 +292,6 @@ def run_peer(peer: str, args: argparse.Namespace, job: Path, run_dir: Path) -> P
     )
 
 
-# ----------------------------------------------------------------------------------------------- report
-
-
-def ratio(ember: float | None, peer: float | None) -> float | None:
-    return ember / peer if ember and peer else None
-
-
-def render_table(results: list[PeerResult], n: int) -> list[str]:
-    """Rows of the table, columns padded; numbers right-aligned, '-' where there is no figure."""
-    ember = next((r for r in results if r.peer == "ember" and r.ok), None)
-    eb, es = (ember.batch_tps, ember.single_tps) if ember else (None, None)
-    head = ["peer", "version", f"batch-{n} tok/s", "batch-1 tok/s", "ready s"]
-    head += [f"ember/peer b{n}", "ember/peer b1", "status"]
-
-    def num(x: float | None, fmt: str) -> str:
-        return "-" if x is None else format(x, fmt)
-
-    rows = [head] + [
-        [
-            r.peer,
-            r.version or "-",
-            num(r.batch_tps, ".1f"),
-            num(r.single_tps, ".1f"),
-            num(r.ready_s, ".1f"),
-            num(ratio(eb, r.batch_tps), ".2f"),
-            num(ratio(es, r.single_tps), ".2f"),
-            r.status[:160],
-        ]
-        for r in results
-    ]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    left = {0, 1, 7}
-    lines = []
-    for k, row in enumerate(rows):
-        cells = [c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        lines.append("  ".join(cells).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return lines
-
-
-def header_lines(machine: dict, model: dict, args: argparse.Namespace) -> list[str]:
-    return [
-        f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} usable), "
-        f"{machine['memory_gib']} GiB RAM, {machine['os']}, Python {machine['python']}, "
-        f"ISA {' '.join(machine['isa']) or '?'}, load average {machine['load_average']} at the start",
-        f"model: {model['path']} ({model['architecture']}, {model['params'] / 1e6:.1f}M params, "
-        f"{model['dtype']})",
-        f"workload: greedy, ignore EOS, {args.num_prompts} prompts x {args.input_len} in / "
-        f"{args.output_len} out (batch-{args.num_prompts}) and 1 prompt alone (batch-1), "
-        f"{args.threads} threads, prompt seed {args.seed}",
-    ]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = Path(args.model).resolve()
@@ -358,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     machine, model = machine_info(), model_info(model_dir, args.dtype)
     job = write_job(args, model_dir, run_dir)
     results = [run_peer(peer, args, job, run_dir) for peer in args.peers]
-    lines = header_lines(machine, model, args) + render_table(results, args.num_prompts)
+    lines = header_lines(machine, model, args) + render_table(results, args.num_prompts, args.prefill_len)
     print("\n".join(lines), flush=True)
     ember = next((r for r in results if r.peer == "ember"), None)
     if args.result_json:
@@ -366,18 +312,16 @@ def main(argv: list[str] | None = None) -> int:
             "num_prompts": args.num_prompts,
             "input_len": args.input_len,
             "output_len": args.output_len,
+            "prefill_len": args.prefill_len,
+            "gguf": args.gguf,
             "threads": args.threads,
             "dtype": args.dtype,
             "seed": args.seed,
             "greedy": True,
             "ignore_eos": True,
         }
-        peers = []
-        for r in results:
-            eb = ember.batch_tps if ember else None
-            es = ember.single_tps if ember else None
-            ratios = {"batch": ratio(eb, r.batch_tps), "single": ratio(es, r.single_tps)}
-            peers.append(asdict(r) | {"ember_over_peer": ratios})
+        ok = ember if ember is not None and ember.ok else None
+        peers = [asdict(r) | {"ember_over_peer": ratios(ok, r)} for r in results]
         out = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine,

@@ -189,18 +189,26 @@ LLAMA_DEFAULTS = {
 
 
 def read_hf_config(model_dir: str) -> Any:
-    """The checkpoint's config (a GGUF file's as `GGUFFile.hf_config` gives it): for a plain Llama
-    (default rotary) the config.json values themselves with LlamaConfig's defaults, which saves
-    importing transformers' config machinery (~3 s of a cold start on a small CPU); for everything
-    else transformers' AutoConfig."""
+    """The checkpoint's config (a GGUF file's as `GGUFFile.hf_config` gives it): for a plain Llama, or
+    a Qwen2 without sliding windows (default rotary), the config.json values themselves with the
+    defaults of LlamaConfig / Qwen2Config that the models read, which saves importing transformers'
+    config machinery (~2-3 s of a cold start on a small CPU); for everything else transformers'
+    AutoConfig."""
     from workers.models.layers import rope_parameters
 
     gguf = is_gguf(model_dir)
     raw = GGUFFile(model_dir).hf_config if gguf else json.loads((Path(model_dir) / "config.json").read_text())
     light = SimpleNamespace(**{**LLAMA_DEFAULTS, **raw})
+    kind = raw.get("model_type")
+    if kind == "qwen2" and not raw.get("use_sliding_window"):
+        # Qwen2Config keeps `sliding_window` only when use_sliding_window is set
+        light = SimpleNamespace(**{**LLAMA_DEFAULTS, **raw, "sliding_window": None, "layer_types": None})
+        kind = "plain qwen2"
+    # Qwen2Config's own default for a missing num_key_value_heads (32) is not LlamaConfig's
+    required = LLAMA_REQUIRED + (("num_key_value_heads",) if kind == "plain qwen2" else ())
     if (
-        raw.get("model_type") == "llama"
-        and all(raw.get(k) is not None for k in LLAMA_REQUIRED)
+        kind in ("llama", "plain qwen2")
+        and all(raw.get(k) is not None for k in required)
         and rope_parameters(light)["rope_type"] == "default"
         and "partial_rotary_factor" not in raw
     ):

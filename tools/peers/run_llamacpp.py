@@ -3,8 +3,10 @@
 Usage: `python run_llamacpp.py JOB.json --bin llama-batched-bench --gguf X.gguf [--version TEXT]`. One
 run with `-npl 1,N -npp IN -ntg OUT`: per batch size B, llama-batched-bench processes B prompts of IN
 (random) tokens and then OUT decode steps, timing both (T_PP, T_TG). Output tokens/s = B*OUT / (T_PP +
-T_TG), the same definition as the other peers'. Start-to-ready is the process's wall time less the timed
-batches (load, context creation, its warm-up). Prints one JSON line prefixed `PEER_RESULT `.
+T_TG), the same definition as the other peers'; batch-1 decode tok/s is its S_TG. Start-to-ready is the
+process's wall time less the timed batches (load, context creation, its warm-up). A second run with one
+prompt of the job's prefill length gives prompt processing tok/s (S_PP). Prints one JSON line prefixed
+`PEER_RESULT `.
 """
 
 from __future__ import annotations
@@ -42,13 +44,30 @@ def throughput(row: dict[str, float]) -> tuple[float, int]:
     return row["t_pp"] + row["t_tg"], int(row["b"] * row["tg"])
 
 
-def bench_command(binary: str, gguf: str, job: dict) -> list[str]:
+def bench_command(binary: str, gguf: str, job: dict, prefill: bool = False) -> list[str]:
+    """The timed workloads (batch sizes 1 and N), or with `prefill` one long prompt and one token."""
     n, in_len, out_len = job["num_prompts"], job["input_len"], job["output_len"]
+    if prefill:
+        n, in_len, out_len = 1, len(job["prefill_prompt"]), 1
     ctx = max(n, 1) * (in_len + out_len)
     batches = "1" if n == 1 else f"1,{n}"
     threads = job["threads"]
     flags = f"-c {ctx} -b 2048 -ub 512 -npp {in_len} -ntg {out_len} -npl {batches} -t {threads} -tb {threads}"
     return [binary, "-m", gguf, *flags.split()]
+
+
+def run_bench(cmd: list[str]) -> tuple[dict[int, dict[str, float]], float]:
+    """(rows by batch size, wall seconds) of one llama-batched-bench run; exits on failure."""
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - start
+    sys.stderr.write(proc.stderr)
+    sys.stderr.write(proc.stdout)
+    if proc.returncode != 0:
+        tail = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+        sys.exit(f"llama-batched-bench exited {proc.returncode}: {tail[-1] if tail else ''}")
+    return {int(r["b"]): r for r in parse_batched_bench(proc.stdout + "\n" + proc.stderr)}, wall
 
 
 def main(argv: list[str]) -> None:
@@ -60,16 +79,9 @@ def main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     job = json.loads(Path(args.job).read_text())
     cmd = bench_command(args.bin, args.gguf, job)
-    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.time() - start
-    sys.stderr.write(proc.stderr)
-    sys.stderr.write(proc.stdout)
-    if proc.returncode != 0:
-        tail = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-        sys.exit(f"llama-batched-bench exited {proc.returncode}: {tail[-1] if tail else ''}")
-    rows = {int(r["b"]): r for r in parse_batched_bench(proc.stdout + "\n" + proc.stderr)}
+    rows, wall = run_bench(cmd)
+    prefill_rows, _ = run_bench(bench_command(args.bin, args.gguf, job, prefill=True))
     n = job["num_prompts"]
     if 1 not in rows or n not in rows:
         sys.exit(f"no table rows for batch sizes 1 and {n} in llama-batched-bench's output")
@@ -83,6 +95,10 @@ def main(argv: list[str]) -> None:
         "batch_output_tokens": batch_tokens,
         "single_seconds": single_s,
         "single_output_tokens": single_tokens,
+        "single_decode_tps": rows[1]["s_tg"],
+        "prefill_tps": prefill_rows[1]["s_pp"] if 1 in prefill_rows else None,
+        # a request alone: its prompt, then its first decode step
+        "first_token_after_ready_s": rows[1]["t_pp"] + rows[1]["t_tg"] / max(1, rows[1]["tg"]),
         "threads": job["threads"],
         "rows": list(rows.values()),
         "command": " ".join(cmd),
