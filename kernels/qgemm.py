@@ -30,6 +30,7 @@ class QFormat:
     group: int = 32
     zero: int = 0  # w = (q - zero) * scale
     offsets: bool = False  # w = q * scale + offset instead
+    half: bool = False  # parameters stored as float16 (where they are float16 values: GGUF's)
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"unknown packed kind {self.kind!r}"
@@ -40,7 +41,13 @@ class QFormat:
         return self.offsets or self.zero != 0
 
     def attrs(self) -> dict[str, object]:
-        return {"kind": self.kind, "group": self.group, "zero": self.zero, "offsets": self.offsets}
+        return {
+            "kind": self.kind,
+            "group": self.group,
+            "zero": self.zero,
+            "offsets": self.offsets,
+            "half": self.half,
+        }
 
 
 def padded_k(k: int) -> int:
@@ -48,8 +55,8 @@ def padded_k(k: int) -> int:
 
 
 def group_bytes(fmt: QFormat) -> int:
-    """Bytes per block and group: the parameters (16 float32 scales, and 16 offsets), then the steps."""
-    return (2 if fmt.offsets else 1) * BLOCK * 4 + fmt.group // 4 * STEP_BYTES[fmt.kind]
+    """Bytes per block and group: the parameters (16 scales, and 16 offsets), then the steps."""
+    return (2 if fmt.offsets else 1) * BLOCK * (2 if fmt.half else 4) + fmt.group // 4 * STEP_BYTES[fmt.kind]
 
 
 def pack_qweight(
@@ -57,7 +64,8 @@ def pack_qweight(
 ) -> torch.Tensor:
     """Integers q [N, K] (int8 for i8, uint8 in 0..15 / 0..31 for u4 / u5) with scales [N, ceil(K / G)]
     (and offsets, same shape, when fmt.offsets) -> uint8 [NB, Kp / G, group_bytes]: per block of 16 rows and
-    group, the rows' scales (then offsets) as float32, then the group's steps of 4 k. Padding is 0."""
+    group, the rows' scales (then offsets) as float32 (float16 with fmt.half), then the group's steps of
+    4 k. Padding is 0."""
     n, k = q.shape
     kp, nb = padded_k(k), -(-n // BLOCK)
     groups, steps = kp // fmt.group, kp // 4
@@ -80,9 +88,9 @@ def pack_qweight(
                 planes |= bits[:, :, i] << i
             data = torch.cat((data, planes), dim=2)
     per = [scales] + ([offsets] if offsets is not None else [])
-    params = torch.zeros(len(per), nb * BLOCK, groups, dtype=torch.float32)
+    params = torch.zeros(len(per), nb * BLOCK, groups, dtype=torch.float16 if fmt.half else torch.float32)
     for i, p in enumerate(per):
-        params[i, :n, : p.shape[1]] = p.float()
+        params[i, :n, : p.shape[1]] = p.to(params.dtype)
     # [P, NB, 16, G] -> [NB, G, P, 16] -> bytes
     params = params.view(len(per), nb, BLOCK, groups).permute(1, 3, 0, 2).contiguous()
     return torch.cat((params.view(torch.uint8).reshape(nb, groups, -1), data), dim=2).contiguous()
@@ -92,8 +100,10 @@ def unpack_qweight(packed: torch.Tensor, fmt: QFormat, n: int, k: int) -> torch.
     """The float32 [n, k] weight of `pack_qweight`'s layout."""
     nb, groups, _ = packed.shape
     kp, steps, count = groups * fmt.group, groups * fmt.group // 4, 2 if fmt.offsets else 1
-    per = packed[..., : count * BLOCK * 4].contiguous().view(torch.float32).view(nb, groups, count, BLOCK)
-    data = packed[..., count * BLOCK * 4 :]
+    dtype = torch.float16 if fmt.half else torch.float32
+    head = count * BLOCK * dtype.itemsize
+    per = packed[..., :head].contiguous().view(dtype).float().view(nb, groups, count, BLOCK)
+    data = packed[..., head:]
     if fmt.kind == "i8":
         q = data.contiguous().view(torch.int8).view(nb, steps, 2, 8, 4).float()
     else:
@@ -135,5 +145,6 @@ def qgemm(x: torch.Tensor, packed: torch.Tensor, fmt: QFormat, n: int) -> torch.
     """x [..., K] @ W.T with the native op, in x's dtype."""
     lead = x.shape[:-1]
     kind = KINDS.index(fmt.kind)
-    y = torch.ops.ember.qgemm(x.reshape(-1, x.shape[-1]), packed, kind, fmt.group, fmt.zero, fmt.offsets, n)
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.ops.ember.qgemm(x2, packed, kind, fmt.group, fmt.zero, fmt.offsets, fmt.half, n)
     return y.view(*lead, n)

@@ -111,7 +111,7 @@ def unpacked(module) -> torch.Tensor:
     for s in attrs["segments"]:
         size = s["shape"][0] * s["shape"][1] * s["shape"][2]
         packed = module.weight.narrow(0, s["offset"], size).view(*s["shape"])
-        fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"])
+        fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"], s["half"])
         rows.append(unpack_qweight(packed, fmt, s["rows"], attrs["in_features"]))
     return torch.cat(rows)
 

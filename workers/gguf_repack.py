@@ -5,7 +5,8 @@ stored blocks into a `Repacked` weight: integers q [N, K], float32 scales (and o
 group of 32 inputs (16 for Q6_K), and the `kernels.qgemm.QFormat` that makes them weights, with no
 rounding: Q8_0 and Q6_K become i8 (w = q * scale), Q4_0 / Q5_0 u4 / u5 with their zero point 8 / 16,
 Q4_1 / Q5_1 / Q4_K / Q5_K u4 / u5 with offsets (w = q * scale + offset; a K-quant's scale is d times
-its 6-bit sub-scale and its offset minus dmin times its 6-bit min, both exact in float32). The field
+its 6-bit sub-scale and its offset minus dmin times its 6-bit min, both exact in float32). The 32-wide
+types keep their float16 scales and mins as float16 (as many bytes as the file's blocks). The field
 layouts are those `workers.gguf_dequant` reads, which match the `gguf` package's reference.
 """
 
@@ -123,12 +124,12 @@ def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
 # type -> (the fields of (n_blocks, type_size) bytes: q (n, block), scales and offsets (n, block / group),
 # the format)
 _REPACK: dict[int, tuple[Callable[[torch.Tensor], tuple], QFormat]] = {
-    _T.Q8_0: (_q8_0, QFormat("i8")),
+    _T.Q8_0: (_q8_0, QFormat("i8", half=True)),
     _T.Q6_K: (_q6_k, QFormat("i8", group=16)),
-    _T.Q4_0: (_q4_0, QFormat("u4", zero=8)),
-    _T.Q5_0: (_q5_0, QFormat("u5", zero=16)),
-    _T.Q4_1: (_q4_1, QFormat("u4", offsets=True)),
-    _T.Q5_1: (_q5_1, QFormat("u5", offsets=True)),
+    _T.Q4_0: (_q4_0, QFormat("u4", zero=8, half=True)),
+    _T.Q5_0: (_q5_0, QFormat("u5", zero=16, half=True)),
+    _T.Q4_1: (_q4_1, QFormat("u4", offsets=True, half=True)),
+    _T.Q5_1: (_q5_1, QFormat("u5", offsets=True, half=True)),
     _T.Q4_K: (_q4_k, QFormat("u4", offsets=True)),
     _T.Q5_K: (_q5_k, QFormat("u5", offsets=True)),
 }

@@ -11,8 +11,9 @@
 //   i8: signed bytes, 64 per step: rows 0..7 then rows 8..15, each its 4 k together (Q8_0, Q6_K, int8);
 //   u4: 32 bytes per step, byte 4 i + j = row i (low nibble) and row i + 8 (high nibble) at k j;
 //   u5: per 8 steps their u4 bytes, then two 32-byte planes with the fifth bits (Q5_0 / Q5_1 / Q5_K).
-// Each group of G k (32; 16 for i8) of a block starts with its parameters, 16 float32 scales and (formats
-// with mins) 16 offsets, so a block is one sequential stream: w = (q - zero) * scale, or q * scale + offset.
+// Each group of G k (32; 16 for i8) of a block starts with its parameters, 16 scales and (formats with
+// mins) 16 offsets, float32 or float16, so a block is one sequential stream: w = (q - zero) * scale, or
+// q * scale + offset.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -46,6 +47,7 @@ struct XRow {
 struct Params {
   int zero;      // w = (q - zero) * scale (when there are no offsets)
   bool offsets;  // w = q * scale + offset
+  bool half;     // parameters stored as float16 (GGUF's own scales and mins, exactly)
   bool mins() const { return offsets || zero != 0; }
 };
 
@@ -55,7 +57,7 @@ struct Weights {
   const uint8_t* w;
   int64_t nblocks, groups, gbytes;
   Params pr;
-  int64_t pbytes() const { return (pr.offsets ? 2 : 1) * kBlock * 4; }
+  int64_t pbytes() const { return (pr.offsets ? 2 : 1) * kBlock * (pr.half ? 2 : 4); }
   int64_t bstride() const { return groups * gbytes; }
 };
 
@@ -201,12 +203,17 @@ void tile(const XRow* x, const uint8_t* steps, int64_t sstride, const uint8_t* p
       }
     }
     for (int j = 0; j < NB; ++j) {
-      const float* pf = reinterpret_cast<const float*>(params + gi * pstride + j * bstride);
+      const uint8_t* pg = params + gi * pstride + j * bstride;
+      // parameter i of the group's 16 (scales) or 32 (then offsets), as 8 floats from i
+      auto param8 = [&](int i) {
+        if (pr.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 2 * i)));
+        return _mm256_loadu_ps(reinterpret_cast<const float*>(pg) + i);
+      };
       for (int h = 0; h < 2; ++h) {
-        const __m256 scale = _mm256_loadu_ps(pf + 8 * h);
+        const __m256 scale = param8(8 * h);
         __m256 off = _mm256_setzero_ps();
         if (pr.offsets)
-          off = _mm256_loadu_ps(pf + kBlock + 8 * h);
+          off = param8(kBlock + 8 * h);
         else if (pr.zero)
           off = _mm256_mul_ps(scale, _mm256_set1_ps(static_cast<float>(-pr.zero)));
         for (int r = 0; r < R; ++r) {
@@ -327,7 +334,7 @@ void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t
 // x [M, K] (float32, bf16 or half), packed uint8 [NB, Kp / group, group bytes] (see Weights), fmt 0 i8 /
 // 1 u4 / 2 u5; n output rows (<= 16 NB). Returns [M, n] in x's dtype.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
-                 bool offsets, int64_t n) {
+                 bool offsets, bool half, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qgemm: x must be a 2-D CPU tensor");
   TORCH_CHECK(fmt >= kI8 && fmt <= kU5, "qgemm: fmt must be 0 (i8), 1 (u4) or 2 (u5)");
   TORCH_CHECK(group == 32 || (group == 16 && fmt == kI8 && !offsets && zero == 0),
@@ -335,9 +342,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.device().is_cpu(),
               "qgemm: the packed weight must be contiguous uint8 [NB, groups, group bytes] on the CPU");
-  const Params pr{static_cast<int>(zero), offsets};
+  const Params pr{static_cast<int>(zero), offsets, half};
   const int64_t steps = group / 4;
-  const int64_t gbytes = (offsets ? 2 : 1) * kBlock * 4 + steps * step_bytes(static_cast<int>(fmt));
+  const int64_t gbytes = (offsets ? 2 : 1) * kBlock * (half ? 2 : 4) + steps * step_bytes(static_cast<int>(fmt));
   const int64_t M = x.size(0), K = x.size(1), NBlk = packed.size(0), Kp = packed.size(1) * group;
   TORCH_CHECK(packed.size(2) == gbytes, "qgemm: group bytes do not match the format");
   TORCH_CHECK(K <= Kp && Kp - K < kXGroup, "qgemm: weight/input size mismatch");
@@ -373,5 +380,6 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
 }
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
-  m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, int n) -> Tensor", qgemm);
+  m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, bool half, int n) -> Tensor",
+        qgemm);
 }

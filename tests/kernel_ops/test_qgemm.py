@@ -23,10 +23,13 @@ pytestmark = pytest.mark.model
 FORMATS = [
     QFormat("i8"),
     QFormat("i8", group=16),
+    QFormat("i8", half=True),
     QFormat("u4", offsets=True),
     QFormat("u4", zero=8),
+    QFormat("u4", offsets=True, half=True),
     QFormat("u5", zero=16),
     QFormat("u5", offsets=True),
+    QFormat("u5", zero=16, half=True),
 ]
 
 
@@ -40,13 +43,18 @@ def random_weight(fmt: QFormat, n: int, k: int, seed: int) -> tuple[torch.Tensor
         q = torch.randint(0, 16 if fmt.kind == "u4" else 32, (n, k), generator=gen).to(torch.uint8)
     scales = torch.rand(n, groups, generator=gen) * 0.02 + 1e-3
     offsets = torch.randn(n, groups, generator=gen) * 0.1 if fmt.offsets else None
+    if fmt.half:  # float16 parameters hold float16 values (GGUF's)
+        scales = scales.half().float()
+        offsets = None if offsets is None else offsets.half().float()
     per = lambda t: t.double().repeat_interleave(fmt.group, dim=1)[:, :k]
     qd = q.double()
     dense = qd * per(scales) + per(offsets) if offsets is not None else (qd - fmt.zero) * per(scales)
     return pack_qweight(q, scales, fmt, offsets), dense, q
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}")
+@pytest.mark.parametrize(
+    "fmt", FORMATS, ids=lambda f: f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}-h{int(f.half)}"
+)
 def test_layout_round_trips(fmt: QFormat) -> None:
     for n, k in ((16, 32), (33, 100), (5, 300)):
         packed, dense, _ = random_weight(fmt, n, k, n + k)
@@ -65,7 +73,9 @@ def test_activations_are_quantized_like_the_reference(native_ops) -> None:
     assert torch.equal(qgemm(x, packed, QFormat("i8"), k), quantize_activations(x))
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}")
+@pytest.mark.parametrize(
+    "fmt", FORMATS, ids=lambda f: f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}-h{int(f.half)}"
+)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 11, 13, 40])
 @pytest.mark.parametrize(("n", "k"), [(17, 64), (70, 100), (200, 32), (33, 608)])
 def test_qgemm_matches_reference(native_ops, fmt: QFormat, m: int, n: int, k: int) -> None:

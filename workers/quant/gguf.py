@@ -111,7 +111,8 @@ class GGUFPacked(QuantMethod):
             for s in attrs["segments"]:
                 size = s["shape"][0] * s["shape"][1] * s["shape"][2]
                 view = layer.weight.narrow(0, s["offset"], size).view(*s["shape"])
-                views.append((view, qformat(s["kind"], s["group"], s["zero"], s["offsets"]), s["rows"]))
+                fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"], s.get("half", False))
+                views.append((view, fmt, s["rows"]))
             layer.__dict__[VIEWS] = views
         if len(views) == 1:
             y = qgemm(x, *views[0])

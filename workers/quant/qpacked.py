@@ -17,8 +17,8 @@ from workers.quant.base import QuantLayer, QuantMethod
 
 
 @functools.cache
-def qformat(kind: str, group: int, zero: int, offsets: bool) -> QFormat:
-    return QFormat(kind, group, zero, offsets)
+def qformat(kind: str, group: int, zero: int, offsets: bool, half: bool = False) -> QFormat:
+    return QFormat(kind, group, zero, offsets, half)
 
 
 def set_qpacked(
@@ -34,5 +34,6 @@ def set_qpacked(
 
 def apply_qpacked(layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     a = layer.quant_attrs
-    y = qgemm(x, layer.weight, qformat(a["kind"], a["group"], a["zero"], a["offsets"]), a["out_features"])
+    fmt = qformat(a["kind"], a["group"], a["zero"], a["offsets"], a.get("half", False))
+    y = qgemm(x, layer.weight, fmt, a["out_features"])
     return y if bias is None else y + bias
