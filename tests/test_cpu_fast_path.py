@@ -156,12 +156,16 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
         ("bundled", {}, "fp8_per_tensor", True),  # the native fp8 matmul inside the layer
         ("mistral", {"sliding_window": 6}, None, True),  # the window cuts into prompt and output
         ("qwen3", {}, None, False),  # q/k norms: the module path
-        ("qwen2", {}, None, False),  # qkv bias: the module path
-        ("llama", {}, "int8", False),  # no native int8 matmul
+        ("qwen2", {}, None, True),  # qkv bias
+        ("llama", {}, "int8", True),  # the integer-dot matmul inside the layer
+        ("llama", {}, "int4", True),
+        ("qwen2", {"gguf": "Q5_0"}, None, True),  # a GGUF file's own bits
+        ("llama", {"gguf": "Q4_1"}, None, True),
     ],
 )
 def test_fused_decoder_layers_equal_the_module_path(
     make_ckpt,
+    tmp_path,
     monkeypatch: pytest.MonkeyPatch,
     arch: str,
     kwargs: dict,
@@ -174,7 +178,12 @@ def test_fused_decoder_layers_equal_the_module_path(
     calls = []
     real_run = fused_decode.run
     monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[3].shape[0]) or real_run(*a))
+    gguf = kwargs.pop("gguf", None)
     model_dir = default_model_dir() if arch == "bundled" else make_ckpt(arch, dtype="bfloat16", **kwargs)
+    if gguf is not None:
+        from tools.hf_to_gguf import write_gguf
+
+        model_dir = write_gguf(model_dir, tmp_path / f"{arch}.gguf", gguf)
     prompts = [[1, *range(40, 40 + n)] for n in (fused_decode.MAX_QUERY, 23, 31)]
     args = {"dtype": "bfloat16", "quantization": quantization, "enable_prefix_caching": False}
     with LLM(str(model_dir), show_progress=False, **args) as llm:

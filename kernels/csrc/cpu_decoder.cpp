@@ -5,10 +5,12 @@
 // around some 25 torch calls per layer; this runs the same native ops (cpu_ops.h) in the same order
 // on the same dtypes as workers/models/llama.py's modules do on the native CPU path, so its results
 // are bit-identical to theirs. workers/models/fused_decode.py decides when a layer qualifies (packed
-// bf16 or fp8 linears without bias, no q/k norm, one rank, the native attention ops).
+// bf16, fp8 or integer-dot linears, with or without bias, no q/k norm, one rank, the native attention
+// ops).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -18,29 +20,55 @@
 
 namespace {
 
-// A packed linear: bf16, or fp8 with its per-tensor scale (as PackedBf16 / Fp8PerTensor apply them).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n) {
-  if (packed.scalar_type() == at::kFloat8_e4m3fn) return gemm_fp8(x, packed, scale, n);
-  return gemm_bf16(x, packed, n);
-}
+// Segment kinds in a linear's spec: packed bf16, fp8 (with its per-tensor scale), or a qgemm format.
+constexpr int64_t kSegBf16 = -1, kSegFp8 = -2;
+constexpr int64_t kSegInts = 6;  // per segment: kind, group, zero, offsets, half, rows
+
+// Linear i of the layer, as its method applies it: each segment's matmul (qgemm kinds 0..2, bf16, fp8),
+// concatenated when there are several, then the bias when it has one. `specs` per linear: the segment
+// count, then kSegInts ints per segment; `next` walks weights and specs across linears.
+struct Linears {
+  at::TensorList weights, scales, biases;
+  at::IntArrayRef specs;
+  size_t w = 0, s = 0;
+
+  at::Tensor apply(const at::Tensor& x, size_t i) {
+    const int64_t segments = specs[s++];
+    std::vector<at::Tensor> outs;
+    for (int64_t k = 0; k < segments; ++k, s += kSegInts) {
+      const int64_t kind = specs[s], rows = specs[s + 5];
+      const at::Tensor& packed = weights[w++];
+      if (kind == kSegBf16)
+        outs.push_back(gemm_bf16(x, packed, rows));
+      else if (kind == kSegFp8)
+        outs.push_back(gemm_fp8(x, packed, scales[i], rows));
+      else
+        outs.push_back(qgemm(x, packed, kind, specs[s + 1], specs[s + 2], specs[s + 3] != 0, specs[s + 4] != 0, rows));
+    }
+    at::Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+    return biases[i].numel() ? at::add(y, biases[i]) : y;
+  }
+};
 
 }  // namespace
 
 // x [T, hidden] -> x + attn(norm(x)), then + mlp(norm(.)).
-// weights: input norm, packed qkv, packed o, post-attention norm, packed gate_up, packed down.
-// scales: the fp8 scales of qkv, o, gate_up and down (any tensor where the weight is bf16).
+// norms: input and post-attention norm weights. weights: the segments of qkv, o, gate_up and down in
+// order (`specs` says how many each has and their formats). scales: the fp8 scales of the four linears,
+// biases their biases (an empty tensor where there is none).
 // dims: out features of qkv, o, gate_up, down; heads, kv heads, head size, rotary dims, window.
-at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::TensorList weights,
-                         at::TensorList scales, at::IntArrayRef dims, const at::Tensor& k_cache,
-                         const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& sin,
-                         double scale, double eps) {
-  TORCH_CHECK(weights.size() == 6 && scales.size() == 4 && dims.size() == 9,
-              "decoder_layer: 6 weights, 4 scales and 9 dims");
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::TensorList norms,
+                         at::TensorList weights, at::TensorList scales, at::TensorList biases, at::IntArrayRef specs,
+                         at::IntArrayRef dims, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
+                         const at::Tensor& cos, const at::Tensor& sin, double scale, double eps) {
+  TORCH_CHECK(norms.size() == 2 && scales.size() == 4 && biases.size() == 4 && dims.size() == 9,
+              "decoder_layer: 2 norms, 4 scales, 4 biases and 9 dims");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layer: x must be a contiguous [T, hidden]");
   const int64_t T = x.size(0), H = dims[4], Hkv = dims[5], D = dims[6];
   TORCH_CHECK(dims[0] == (H + 2 * Hkv) * D, "decoder_layer: qkv size does not match the heads");
-  const at::Tensor qkv = linear(rms_norm(x, weights[0], eps), weights[1], scales[0], dims[0]);
+  Linears lin{weights, scales, biases, specs};
+  const at::Tensor qkv = lin.apply(rms_norm(x, norms[0], eps), 0);
   // views into qkv, as the module path's split + reshape
   const at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
   at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
@@ -49,14 +77,17 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::T
   write_kv(k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type()), k_cache, v_cache, slot_mapping);
   const at::Tensor attn = at::empty({T, H, D}, x.options());
   decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, dims[8], attn);
-  const at::Tensor h = at::add(x, linear(attn.view({T, H * D}), weights[2], scales[1], dims[1]));
-  const at::Tensor act = silu_and_mul(linear(rms_norm(h, weights[3], eps), weights[4], scales[2], dims[2]));
-  return at::add(h, linear(act, weights[5], scales[3], dims[3]));
+  const at::Tensor h = at::add(x, lin.apply(attn.view({T, H * D}), 1));
+  const at::Tensor act = silu_and_mul(lin.apply(rms_norm(h, norms[1], eps), 2));
+  const at::Tensor y = at::add(h, lin.apply(act, 3));
+  TORCH_CHECK(lin.w == weights.size() && lin.s == specs.size(), "decoder_layer: specs do not match the weights");
+  return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def(
-      "decoder_layer(Tensor x, Tensor positions, Tensor[] weights, Tensor[] scales, int[] dims, "
+      "decoder_layer(Tensor x, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor[] scales, "
+      "Tensor[] biases, int[] specs, int[] dims, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, "
       "Tensor cos, Tensor sin, float scale, float eps) -> Tensor",
       decoder_layer);

@@ -1,4 +1,4 @@
-// The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_attention.cpp and
+// The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_qgemm.cpp, cpu_attention.cpp and
 // cpu_layer_ops.cpp), for ops that chain them without going back to Python (cpu_decoder.cpp).
 #pragma once
 
@@ -8,6 +8,8 @@
 
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n);
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
+                 bool offsets, bool half, int64_t n);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
              const at::Tensor& sin, int64_t rotary_dim);

@@ -249,10 +249,9 @@ void blocks_at(const XRow* x, const Weights& wt, int64_t b, float* out, int64_t 
     for (int j = 0; j < NB; ++j) store_block(acc[r][j], out + r * ldo, (b + j) * kBlock, n);
 }
 
-// R (1..3) rows against groups of 4 / 3 / 2 blocks (decode, verification): the packed bits stream once.
-template <int R, int F, int GS>
-void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
-  constexpr int G = R == 1 ? 4 : R == 2 ? 3 : 2;
+// R (1..3) rows against groups of G blocks (decode, verification): the packed bits stream once.
+template <int R, int F, int GS, int G>
+void few_rows_g(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
   const int64_t groups = (wt.nblocks + G - 1) / G;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
@@ -264,6 +263,14 @@ void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t
       for (int64_t t = b; t < wt.nblocks; ++t) blocks_at<R, 1, F, GS>(x, wt, t, out, ldo, n);
     }
   });
+}
+
+// u5 keeps int16 and int32 sums per block: one block at a time leaves them in registers (measured
+// 9.5 -> 11 GB/s streaming on 2 cores); the others walk 4 / 3 / 2 blocks at once.
+template <int R, int F, int GS>
+void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
+  constexpr int G = F == kU5 ? 1 : R == 1 ? 4 : R == 2 ? 3 : 2;
+  few_rows_g<R, F, GS, G>(x, wt, out, ldo, n);
 }
 
 // Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 16]. steps / sstride: the

@@ -1,10 +1,11 @@
 """One native call per decoder layer for CPU decode steps (torch.ops.ember.decoder_layer).
 
 A decode step of a small model on a CPU spends milliseconds of Python around some 25 torch calls per
-layer. Where every piece of a Llama-style layer already runs on the native CPU ops (packed bf16 or
-fp8 linears without bias, native norms, rotary and activation, the CPU attention backend, one rank, no
-q/k norm), kernels/csrc/cpu_decoder.cpp runs the same ops in the same order in one call, so a decode
-batch gets bit-identical results to the module path. Short queries (speculative verification, the
+layer. Where every piece of a Llama-style layer already runs on the native CPU ops (packed bf16, fp8
+or integer-dot linears, GGUF segments included, with or without bias, native norms, rotary and
+activation, the CPU attention backend, one rank, no q/k norm), kernels/csrc/cpu_decoder.cpp runs the
+same ops in the same order in one call, so a decode batch gets bit-identical results to the module
+path. Short queries (speculative verification, the
 draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per request) take it too, each
 token as a decode row of its own: its keys are written before attention runs, and it attends to
 positions 0 .. its own (the same logits a plain decode step at that position gives). Longer
@@ -21,29 +22,51 @@ import torch
 
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
+from kernels.qgemm import KINDS
 from workers.models.layers import ColumnLinear, RotaryEmbedding, RowLinear
 from workers.models.llama import DecoderLayer, LlamaForCausalLM
 from workers.models.ops import NativeCpuOps
 from workers.quant.fp8 import Fp8PerTensor
+from workers.quant.gguf import GGUFPacked
 from workers.quant.packed import PackedBf16
+
+SEG_BF16, SEG_FP8 = -1, -2  # segment kinds of cpu_decoder.cpp besides the qgemm kinds (0, 1, 2)
 
 
 @dataclass(frozen=True)
 class FusedLayer:
     """The per-layer arguments of torch.ops.ember.decoder_layer, gathered once."""
 
-    weights: list[torch.Tensor]
-    scales: list[torch.Tensor]  # fp8 linears' scales (an empty tensor for a bf16 one)
+    norms: list[torch.Tensor]
+    weights: list[torch.Tensor]  # the segments of qkv, o, gate_up, down
+    scales: list[torch.Tensor]  # fp8 linears' scales (an empty tensor elsewhere)
+    biases: list[torch.Tensor]  # (an empty tensor where a linear has none)
+    specs: list[int]  # per linear: its segment count, then kind, group, zero, offsets, half, rows each
     dims: list[int]
     scale: float
     eps: float
 
 
-def native_linear(lin: ColumnLinear | RowLinear) -> bool:
-    """A linear whose method runs a native packed matmul: packed bf16, or fp8 in the native layout."""
+def segments(lin: ColumnLinear | RowLinear) -> list[tuple[torch.Tensor, list[int]]] | None:
+    """(packed tensor, spec) of each native matmul the linear's method runs, or None when it runs
+    something else: packed bf16, fp8 in the native layout, or the integer-dot formats (int8 / int4,
+    and a GGUF layer's segments)."""
+    attrs = getattr(lin, "quant_attrs", {})
     if type(lin.quant) is PackedBf16:
-        return True
-    return isinstance(lin.quant, Fp8PerTensor) and "out_features" in getattr(lin, "quant_attrs", {})
+        return [(lin.weight, [SEG_BF16, 0, 0, 0, 0, attrs["out_features"]])]
+    if isinstance(lin.quant, Fp8PerTensor) and "out_features" in attrs:
+        return [(lin.weight, [SEG_FP8, 0, 0, 0, 0, attrs["out_features"]])]
+    if isinstance(lin.quant, GGUFPacked) and "segments" not in attrs:  # a float GGUF tensor, packed bf16
+        return [(lin.weight, [SEG_BF16, 0, 0, 0, 0, attrs["out_features"]])]
+    if isinstance(lin.quant, GGUFPacked):
+        views = lin.quant.segment_views(lin)
+        return [
+            (v, [KINDS.index(f.kind), f.group, f.zero, int(f.offsets), int(f.half), n]) for v, f, n in views
+        ]
+    if "kind" in attrs:  # online int8 / int4 on qgemm
+        spec = [KINDS.index(attrs["kind"]), attrs["group"], attrs["zero"], int(attrs["offsets"]), 0]
+        return [(lin.weight, spec + [attrs["out_features"]])]
+    return None
 
 
 def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
@@ -53,26 +76,30 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not all(isinstance(m.ops, NativeCpuOps) for m in (mlp, attn.rotary, *norms)):
         return None
-    if any(not native_linear(lin) or lin.bias is not None or lin.tp.size != 1 for lin in linears):
+    segs = [segments(lin) for lin in linears]
+    if any(s is None for s in segs) or any(lin.tp.size != 1 for lin in linears):
         return None
     if attn.q_norm is not None or not isinstance(attn.attn.backend, CpuBackend) or attn.head_dim % 8:
         return None
     if any(n.weight.dtype != dtype for n in norms) or norms[0].eps != norms[1].eps:
         return None
-    weights = [
-        norms[0].weight,
-        attn.qkv_proj.weight,
-        attn.o_proj.weight,
-        norms[1].weight,
-        mlp.gate_up_proj.weight,
-        mlp.down_proj.weight,
-    ]
+    weights, specs = [], []
+    for lin_segments in segs:
+        assert lin_segments is not None
+        specs.append(len(lin_segments))
+        for tensor, spec in lin_segments:
+            weights.append(tensor)
+            specs.extend(spec)
     outs = [lin.quant_attrs["out_features"] for lin in linears]
-    found = [getattr(lin, "weight_scale", None) for lin in linears]
+    found = [
+        getattr(lin, "weight_scale", None) if isinstance(lin.quant, Fp8PerTensor) else None for lin in linears
+    ]
     scales = [torch.empty(0) if s is None else s for s in found]
+    biases = [torch.empty(0) if lin.bias is None else lin.bias for lin in linears]
     window = attn.attn.sliding_window or 0
     dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim, window]
-    return FusedLayer(weights, scales, dims, attn.attn.scale, norms[0].eps)
+    norm_weights: list[torch.Tensor] = [norms[0].weight, norms[1].weight]
+    return FusedLayer(norm_weights, weights, scales, biases, specs, dims, attn.attn.scale, norms[0].eps)
 
 
 MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
@@ -105,7 +132,7 @@ def run(
     x = x.contiguous()
     for p, kv in zip(plans, kv_caches, strict=True):
         args = (kv[0], kv[1], table, lens, slots, cos, sin, p.scale, p.eps)
-        x = layer_op(x, positions, p.weights, p.scales, p.dims, *args)
+        x = layer_op(x, positions, p.norms, p.weights, p.scales, p.biases, p.specs, p.dims, *args)
     return x
 
 

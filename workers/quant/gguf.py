@@ -100,20 +100,25 @@ class GGUFPacked(QuantMethod):
         self.replace(layer, "weight", torch.cat(packed) if len(packed) > 1 else packed[0])
         layer.quant_attrs = {"out_features": n, "in_features": k, "segments": segments}
 
-    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        attrs = layer.quant_attrs
-        if "segments" not in attrs:
-            y = gemm_bf16(x, layer.weight, attrs["out_features"])
-            return y if bias is None else y + bias
+    def segment_views(self, layer: QuantLayer) -> list[tuple[torch.Tensor, QFormat, int]]:
+        """(packed view, format, rows) of each segment of a quantized layer, built once."""
         views: list[tuple[torch.Tensor, QFormat, int]] | None = layer.__dict__.get(VIEWS)
         if views is None:
             views = []
-            for s in attrs["segments"]:
+            for s in layer.quant_attrs["segments"]:
                 size = s["shape"][0] * s["shape"][1] * s["shape"][2]
                 view = layer.weight.narrow(0, s["offset"], size).view(*s["shape"])
                 fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"], s.get("half", False))
                 views.append((view, fmt, s["rows"]))
             layer.__dict__[VIEWS] = views
+        return views
+
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        attrs = layer.quant_attrs
+        if "segments" not in attrs:
+            y = gemm_bf16(x, layer.weight, attrs["out_features"])
+            return y if bias is None else y + bias
+        views = self.segment_views(layer)
         if len(views) == 1:
             y = qgemm(x, *views[0])
         else:
