@@ -426,3 +426,30 @@ def test_packed_weights_come_from_the_cache(model, tmp_path, monkeypatch, quanti
             assert weight_source == "disk" and "quant_config" in reason
     finally:
         stop(proc)
+
+
+def test_gguf_own_bits_come_from_the_cache(make_ckpt, tmp_path):
+    """A GGUF file on the CPU fast path: the daemon holds its repacked layers (segments and formats in
+    the layers' attributes), an engine maps them and generates what a disk-loaded engine does."""
+    from kernels.native import load_native
+    from tools.hf_to_gguf import write_gguf
+
+    if load_native() is not None:
+        pytest.skip(f"native CPU ops unavailable: {load_native()}")
+    path = str(write_gguf(make_ckpt("qwen2"), tmp_path / "qwen2-q5_0.gguf", "Q5_0"))
+    sock = tmp_path / "sockets"
+    sock.mkdir(mode=0o700)
+    proc = start_preload(path, sock, "--dtype", "bfloat16")
+    try:
+        with LLM(path, dtype="bfloat16", show_progress=False) as disk:
+            expected = tokens(disk)
+        cache = dict(dtype="bfloat16", load_format="ipc_cache", socket_dir=str(sock), show_progress=False)
+        with LLM(path, **cache) as cached:
+            assert source(cached) == ("ipc_cache", "")
+            net = cached.engine.executor.worker.runner.model
+            qkv = net.model.layers[0].self_attn.qkv_proj
+            assert type(qkv.quant).__name__ == "GGUFPacked" and qkv.weight.dtype == torch.uint8
+            assert [s["kind"] for s in qkv.quant_attrs["segments"]] == ["u5"]
+            assert tokens(cached) == expected
+    finally:
+        stop(proc)
