@@ -74,8 +74,9 @@ class GGUFTensor:
     def type_name(self) -> str:
         return type_name(self.qtype)
 
-    def dequantize(self) -> torch.Tensor:
-        return dequantize(self.raw, self.qtype, self.shape)
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The reference values (computed in float32, then rounded to `dtype` chunk by chunk)."""
+        return dequantize(self.raw, self.qtype, self.shape, dtype)
 
     def repack(self) -> Repacked:
         return repack(self.raw.contiguous(), self.qtype, self.shape)

@@ -121,7 +121,7 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
                 )
             try:
                 values = (
-                    load_quantized(owners.get(id(param), []), tensor, shard)
+                    load_quantized(owners.get(id(param), []), tensor, shard, param.dtype)
                     if isinstance(tensor, GGUFTensor)
                     else tensor
                 )
@@ -140,9 +140,11 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
             raise WeightLoadError(f"checkpoint is missing weights for parameter {pname}")
 
 
-def load_quantized(modules: list[nn.Module], tensor: GGUFTensor, shard: Any) -> torch.Tensor | None:
-    """Hand a GGUF tensor's bytes to the modules whose method repacks them; the dequantized tensor
-    when another module needs the values (an embedding), else None."""
+def load_quantized(
+    modules: list[nn.Module], tensor: GGUFTensor, shard: Any, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Hand a GGUF tensor's bytes to the modules whose method repacks them; the dequantized tensor in
+    the parameter's dtype when another module needs the values (an embedding), else None."""
     plain = False
     for module in modules:
         load = getattr(getattr(module, "quant", None), "load_quantized", None)
@@ -150,7 +152,7 @@ def load_quantized(modules: list[nn.Module], tensor: GGUFTensor, shard: Any) -> 
             load(module, tensor, shard)
         else:
             plain = True
-    return tensor.dequantize() if plain or not modules else None
+    return tensor.dequantize(dtype) if plain or not modules else None
 
 
 def quantize(model: nn.Module) -> float:
