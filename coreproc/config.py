@@ -49,6 +49,9 @@ class CacheConfig:
     num_kv_blocks: int | None = option("fixed number of KV blocks (default: from the memory budget)", None)
     kv_cache_memory: int | None = option("bytes of KV cache across all layers", None)
     kv_cache_memory_fraction: float | None = option("fraction of free memory for the KV cache", None)
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = option(
+        "KV cache dtype: auto = the model's; fp8 = e4m3 with per-kv-head scales (half the bytes)", "auto"
+    )
     enable_prefix_caching: bool = option("reuse the KV blocks of shared prompt prefixes", True)
     prefix_hash_seed: int | None = option(
         "prefix-cache hash seed (default: random per launch)", None, flag="--prefix-cache-seed"
@@ -64,6 +67,8 @@ class CacheConfig:
         frac = self.kv_cache_memory_fraction
         if frac is not None and not 0.0 < frac <= 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
+            raise ConfigError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from kernels.torch_ops import (
     decode_attention_cpu,
     decode_attention_torch,
     prefill_attention_torch,
+    quantize_kv,
     write_kv_cpu,
     write_kv_torch,
 )
@@ -44,8 +45,10 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]; also writes k/v into the cache."""
+        """q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]; also writes k/v into the cache. kv_scales
+        [2, Hkv]: the per-kv-head scales of an fp8 cache (kernels/torch_ops.py)."""
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -72,15 +75,19 @@ class PagedAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`; rows past num_actual_tokens (padding) come back as zeros."""
         n_act, nd = meta.num_actual_tokens, meta.num_decode_tokens
-        self.write_kv_op(k[:n_act], v[:n_act], k_cache, v_cache, meta.slot_mapping[:n_act])
+        keys = quantize_kv(k[:n_act], k_cache.dtype, kv_scales, 0)
+        values = quantize_kv(v[:n_act], v_cache.dtype, kv_scales, 1)
+        self.write_kv_op(keys, values, k_cache, v_cache, meta.slot_mapping[:n_act])
+        extra = {} if kv_scales is None else {"kv_scales": kv_scales}
         out = torch.empty_like(q)
         if out.shape[0] > n_act:
             out[n_act:].zero_()
         if nd > 0:
-            opts = self.decode_options(q, k_cache, meta)
+            opts = self.decode_options(q, k_cache, meta) | extra
             table, lens = meta.block_tables[:nd], meta.seq_lens[:nd]
             self.decode_op(q[:nd], k_cache, v_cache, table, lens, scale, sliding_window, out=out[:nd], **opts)
         if n_act > nd:
@@ -97,6 +104,7 @@ class PagedAttentionBackend(AttentionBackend):
                 [x - nd for x in meta.query_start_loc_cpu[nd:]],
                 meta.seq_lens_cpu[nd:],
                 out=out[nd:n_act],
+                **extra,
             )
         return out
 

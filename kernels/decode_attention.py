@@ -6,7 +6,8 @@ reference and the native CPU op are in kernels/torch_ops.py (importing Triton co
 CPU engine's start, so only this backend does).
 q is [B, H, D]; the query of request b sits at position seq_lens[b] - 1 and sees keys
 0 .. seq_lens[b] - 1 (only the last `sliding_window` of them when a window is set). GQA maps
-query head h to kv head h // (H // Hkv). Math is float32; the output has the query dtype.
+query head h to kv head h // (H // Hkv). An fp8 cache (`kv_scales` given) is read as bytes and
+widened in the kernel (kv_write.load_kv_tile). Math is float32; the output has the query dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_write import kv_operands, load_kv_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -26,6 +29,8 @@ def _decode_kernel(
     table_ptr,
     seq_lens_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
@@ -51,6 +56,7 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per (request, kv head, split): all GROUP query heads sharing the kv head at once.
     req = tl.program_id(0).to(tl.int64)
@@ -85,9 +91,7 @@ def _decode_kernel(
         slot = pos % block_size
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k_ptrs = k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = load_kv_tile(k_ptrs + dims[None, :], kv_mask, k_scale_ptr, kv_head, q, KV_FP8, DOT_FP32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -95,9 +99,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_ptrs = v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptrs + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        v = load_kv_tile(v_ptrs + dims[None, :], kv_mask, v_scale_ptr, kv_head, q, KV_FP8, DOT_FP32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -166,6 +168,7 @@ def decode_attention_triton(
     sliding_window: int | None,
     *,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     num_splits: int = 1,
 ) -> torch.Tensor:
     """Triton version of `decode_attention_torch`; `num_splits` > 1 enables split-K over the context."""
@@ -177,6 +180,8 @@ def decode_attention_triton(
     for name, t in (("q", q), ("out", result), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in head_dim")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_cache, v_cache, scales = kv_operands(k_cache, v_cache, kv_scales, q)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     part_out = part_lse = result  # placeholders, never touched when num_splits == 1
@@ -190,6 +195,8 @@ def decode_attention_triton(
         block_tables,
         seq_lens,
         result,
+        scales[0],
+        scales[1],
         part_out,
         part_lse,
         scale * _LOG2E,
@@ -216,6 +223,7 @@ def decode_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The CPU interpreter (Triton 3.9) multiplies bf16 bit patterns as integers in tl.dot.
         DOT_FP32=q.device.type == "cpu",
+        KV_FP8=fp8,
     )
     if num_splits > 1:
         _combine_kernel[(num_reqs, num_heads)](

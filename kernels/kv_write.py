@@ -5,7 +5,9 @@ one layer is k_cache / v_cache, each [num_blocks, block_size, num_kv_heads, head
 views of one [2, ...] tensor, so only per-tensor strides are assumed). Token t goes to slot
 slot_mapping[t] = block_id * block_size + offset; negative slots are padding and are skipped.
 This module is `write_kv_triton`, the Triton kernel; the reference `write_kv_torch` and the native
-op `write_kv_cpu` are in kernels/torch_ops.py.
+op `write_kv_cpu` are in kernels/torch_ops.py. An fp8 cache gets keys and values already quantized
+(`quantize_kv`) and copied as bytes. `load_kv_tile` is how the Triton attention kernels read a tile
+back (fp8 widened and scaled).
 """
 
 from __future__ import annotations
@@ -58,6 +60,35 @@ def _write_kv_kernel(
     tl.store(dst_v + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def load_kv_tile(ptrs, mask, scale_ptr, kv_head, like, KV_FP8: tl.constexpr, DOT_FP32: tl.constexpr):
+    # A [N, D] key or value tile ready for tl.dot against `like` (the queries). fp8 e4m3 arrives as
+    # bytes: s.eeee.mmm moved to the half s.0eeee.mmm0000000 is the value times 2^-8 (subnormals too),
+    # then one multiply by 2^8 * the kv head's scale gives value * scale, rounded once as in torch.
+    x = tl.load(ptrs, mask=mask, other=0)
+    if KV_FP8:
+        b = x.to(tl.uint16)
+        half = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+        x = half.to(tl.float16, bitcast=True).to(tl.float32) * (256.0 * tl.load(scale_ptr + kv_head))
+        if not DOT_FP32:
+            x = x.to(like.dtype)
+    elif DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+def kv_operands(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None, q: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The caches and [2, Hkv] scales as the attention kernels take them: an fp8 cache as bytes (the
+    interpreter has no fp8) with its scales; any other cache as it is, with unit scales (unread)."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return k_cache, v_cache, q.new_ones(2, k_cache.shape[2], dtype=torch.float32)
+    if kv_scales is None:
+        raise ValueError("an fp8 cache needs kv_scales")
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), kv_scales.float().contiguous()
+
+
 def write_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -69,6 +100,8 @@ def write_kv_triton(
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if k_cache.dtype == torch.float8_e4m3fn:  # the interpreter has no fp8: copy the bytes
+        key, value, k_cache, v_cache = (t.view(torch.uint8) for t in (key, value, k_cache, v_cache))
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in head_dim")

@@ -5,7 +5,9 @@ runs on CPU under TRITON_INTERPRET=1 for tests. Its torch reference (`prefill_at
 kernels/torch_ops.py. Request b owns query rows
 query_start_loc[b] : query_start_loc[b + 1] of q [T, H, D]; a chunk may follow cached context, so
 row i sits at position seq_lens[b] - q_len + i and sees keys 0 .. that position (causal, bottom-right
-aligned), limited to the last `sliding_window` positions when a window is set. Math is float32.
+aligned), limited to the last `sliding_window` positions when a window is set. An fp8 cache
+(`kv_scales` given) is read as bytes and widened in the kernel (kv_write.load_kv_tile). Math is
+float32.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_write import kv_operands, load_kv_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -26,6 +30,8 @@ def _prefill_kernel(
     query_start_ptr,
     seq_lens_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     window,
     block_size,
@@ -48,6 +54,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per (request, query tile, query head); tiles past the request's chunk exit at once.
     req = tl.program_id(0).to(tl.int64)
@@ -87,9 +94,7 @@ def _prefill_kernel(
         slot = pos % block_size
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k_ptrs = k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
+        k = load_kv_tile(k_ptrs + dims[None, :], kv_mask, k_scale_ptr, kv_head, q, KV_FP8, DOT_FP32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
         if USE_WINDOW:
@@ -101,9 +106,7 @@ def _prefill_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_ptrs = v_cache_ptr + blk[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptrs + dims[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            v = v.to(tl.float32)
+        v = load_kv_tile(v_ptrs + dims[None, :], kv_mask, v_scale_ptr, kv_head, q, KV_FP8, DOT_FP32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -125,6 +128,7 @@ def prefill_attention_triton(
     seq_lens_cpu: list[int],
     *,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of `prefill_attention_torch` (same contract; the host lists size the grid)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -136,6 +140,8 @@ def prefill_attention_triton(
     for name, t in (("q", q), ("out", result), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit stride in head_dim")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    k_cache, v_cache, scales = kv_operands(k_cache, v_cache, kv_scales, q)
     max_query_len = max(query_start_loc_cpu[b + 1] - query_start_loc_cpu[b] for b in range(num_reqs))
     block_m = min(64, max(16, triton.next_power_of_2(max_query_len)))
     grid = (num_reqs, triton.cdiv(max_query_len, block_m), num_heads)
@@ -147,6 +153,8 @@ def prefill_attention_triton(
         query_start_loc,
         seq_lens,
         result,
+        scales[0],
+        scales[1],
         scale * _LOG2E,
         sliding_window or 0,
         block_size,
@@ -170,5 +178,6 @@ def prefill_attention_triton(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The CPU interpreter (Triton 3.9) multiplies bf16 bit patterns as integers in tl.dot.
         DOT_FP32=q.device.type == "cpu",
+        KV_FP8=fp8,
     )
     return result

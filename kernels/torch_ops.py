@@ -4,12 +4,37 @@ Used by the `torch` and `cpu` attention backends (kernels/backend.py) on the mod
 the tests as the references of the Triton kernels (decode_attention.py, prefill_attention.py,
 kv_write.py, whose docstrings give each op's contract). Kept apart from them because importing
 Triton costs ~0.4 s of every CPU engine's start.
+
+An fp8 (e4m3) cache holds keys / k_scale and values / v_scale per kv head (`quantize_kv`, saturated
+at +-448); every attention op then takes `kv_scales` [2, Hkv] (float32) and reads value * scale.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantize_kv(
+    x: torch.Tensor, cache_dtype: torch.dtype, kv_scales: torch.Tensor | None, which: int
+) -> torch.Tensor:
+    """Keys (which = 0) or values (1) [T, Hkv, D] in the cache's dtype: x / scale of its kv head,
+    saturated, for an fp8 cache (kv_scales given); else a plain cast."""
+    if kv_scales is None:
+        return x.to(cache_dtype)
+    scaled = x.to(torch.float32) / kv_scales[which].view(1, -1, 1)
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def _widen(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached rows [..., Hkv, D] as float32, times their kv head's scale when given."""
+    return x.float() if scale is None else x.float() * scale[:, None]
+
+
+def _split(kv_scales: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    return (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
 
 
 def write_kv_torch(
@@ -53,6 +78,7 @@ def decode_attention_torch(
     sliding_window: int | None,
     *,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: gather each request's blocks (padded to the longest), mask, and run SDPA."""
     num_reqs, num_heads, head_dim = q.shape
@@ -64,8 +90,9 @@ def decode_attention_torch(
     num_blocks = -(-max_len // block_size)
     table = block_tables[:num_reqs, :num_blocks].long()
     # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-    keys = k_cache[table].reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
-    values = v_cache[table].reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+    k_scale, v_scale = _split(kv_scales)
+    keys = _widen(k_cache[table], k_scale).reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = _widen(v_cache[table], v_scale).reshape(num_reqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     pos = torch.arange(keys.shape[2], device=q.device)
     lens = seq_lens[:num_reqs].long()[:, None]
     visible = pos[None, :] < lens
@@ -96,15 +123,19 @@ def decode_attention_cpu(
     sliding_window: int | None,
     *,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The native CPU op (kernels/csrc/cpu_attention.cpp): reads each block in place, no gather.
     Head sizes that are not a multiple of 8 take the torch reference."""
     if q.shape[-1] % 8:
         args = (q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
-        return decode_attention_torch(*args, out=out)
+        return decode_attention_torch(*args, out=out, kv_scales=kv_scales)
     result = torch.empty_like(q) if out is None else out
     window = 0 if sliding_window is None else int(sliding_window)
-    torch.ops.ember.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window, result)
+    scales = torch.empty(0) if kv_scales is None else kv_scales.float()
+    torch.ops.ember.decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, window, scales, result
+    )
     return result
 
 
@@ -121,11 +152,13 @@ def prefill_attention_torch(
     seq_lens_cpu: list[int],
     *,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: per-request loop, gather the request's keys/values, run SDPA with a causal mask."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     result = torch.empty_like(q) if out is None else out
+    k_scale, v_scale = _split(kv_scales)
     for b, seq_len in enumerate(seq_lens_cpu):
         start, end = query_start_loc_cpu[b], query_start_loc_cpu[b + 1]
         q_len = end - start
@@ -133,8 +166,8 @@ def prefill_attention_torch(
             continue
         context = seq_len - q_len
         table = block_tables[b, : -(-seq_len // block_size)].long()
-        keys = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        keys = _widen(k_cache[table], k_scale).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = _widen(v_cache[table], v_scale).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         mask = None
         if context > 0 or sliding_window is not None:
             q_pos = torch.arange(context, seq_len, device=q.device)[:, None]
@@ -144,8 +177,8 @@ def prefill_attention_torch(
                 mask &= q_pos - k_pos < sliding_window
         attn = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1).float(),
-            keys.transpose(0, 1).float(),
-            values.transpose(0, 1).float(),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,

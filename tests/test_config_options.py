@@ -44,6 +44,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "num_kv_blocks": ("40", 40),
     "kv_cache_memory": ("1000000", 1000000),
     "kv_cache_memory_fraction": ("0.5", 0.5),
+    "kv_cache_dtype": ("fp8", "fp8"),
     "enable_prefix_caching": ("--no-enable-prefix-caching", False),
     "prefix_hash_seed": ("3", 3),
     "max_num_seqs": ("12", 12),

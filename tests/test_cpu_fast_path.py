@@ -161,6 +161,8 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
         ("llama", {}, "int4", True),
         ("qwen2", {"gguf": "Q5_0"}, None, True),  # a GGUF file's own bits
         ("llama", {"gguf": "Q4_1"}, None, True),
+        ("qwen2", {"kv": "fp8"}, None, True),  # an fp8 KV cache: quantized writes, scaled reads
+        ("bundled", {"kv": "fp8"}, "int8", True),
     ],
 )
 def test_fused_decoder_layers_equal_the_module_path(
@@ -178,7 +180,7 @@ def test_fused_decoder_layers_equal_the_module_path(
     calls = []
     real_run = fused_decode.run
     monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[3].shape[0]) or real_run(*a))
-    gguf = kwargs.pop("gguf", None)
+    gguf, kv = kwargs.pop("gguf", None), kwargs.pop("kv", "auto")
     model_dir = default_model_dir() if arch == "bundled" else make_ckpt(arch, dtype="bfloat16", **kwargs)
     if gguf is not None:
         from tools.hf_to_gguf import write_gguf
@@ -186,6 +188,7 @@ def test_fused_decoder_layers_equal_the_module_path(
         model_dir = write_gguf(model_dir, tmp_path / f"{arch}.gguf", gguf)
     prompts = [[1, *range(40, 40 + n)] for n in (fused_decode.MAX_QUERY, 23, 31)]
     args = {"dtype": "bfloat16", "quantization": quantization, "enable_prefix_caching": False}
+    args["kv_cache_dtype"] = kv
     with LLM(str(model_dir), show_progress=False, **args) as llm:
         runner = llm.engine.executor.worker.runner
         assert isinstance(runner.forward, fused_decode.FusedDecode) == fused

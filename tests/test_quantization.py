@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_ref import PROMPT_TEXTS
-from model_util import all_logits, load
 
 from coreproc import LLM, SamplingParams
 from coreproc.config import ConfigError
+from tools.teacher_forced import all_logits, load
 from workers.quant import make_method, resolve_name
 from workers.quant.base import TensorSpec
 

@@ -17,11 +17,12 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from model_util import batch_logits, load
 from server_util import start_server, stop_server
 
 from coreproc import LLM, SamplingParams
 from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
+from tools.teacher_forced import batch_logits, load
+from workers.kv_scales import kv_cache_dtype
 
 pytestmark = pytest.mark.real
 
@@ -206,17 +207,25 @@ def test_folder_chat_prompt_ids_and_eos_equal_transformers(real: dict[str, Path]
 # CPU fast path: with no quantization the file's own bits on the integer-dot matmul (activations
 # quantized to int8 per 32 inputs, as llama.cpp does), online int8 / int4 on the same matmul.
 FLOORS = {  # measured: top-1, KL
-    ("smollm2", "bfloat16", None, "torch"): (0.96, 3e-3),  # 0.975, 1.2e-3
-    ("smollm2", "float32", "fp8_per_tensor", "torch"): (0.93, 0.03),  # 0.947, 1.5e-2
-    ("smollm2", "float32", "int8", "torch"): (0.97, 6e-3),  # 0.982, 3.0e-3
-    ("smollm2", "float32", "int4", "torch"): (0.99, 1e-4),  # 1.000, 6e-9: groups of 32 hold Q4_1 exactly
-    ("smollm2", "bfloat16", None, "cpu_bf16"): (0.94, 6e-3),  # 0.960, 3.9e-3: Q4_1 bits, int8 activations
-    ("qwen-0.5b", "bfloat16", None, "torch"): (0.97, 3e-3),  # 0.989, 1.4e-3
-    ("qwen-0.5b", "float32", "fp8_per_tensor", "torch"): (0.96, 6e-3),  # 0.974, 3.1e-3
-    ("qwen-0.5b", "float32", "int8", "torch"): (0.97, 4e-3),  # 0.984, 2.0e-3
-    ("qwen-0.5b", "float32", "int4", "torch"): (0.9, 0.06),  # 0.925, 3.5e-2: Q5_0/Q6_K/Q8_0 in 4 bits
-    ("qwen-0.5b", "bfloat16", None, "cpu_bf16"): (0.96, 4e-3),  # 0.980, 2.1e-3: the file's own bits
-    ("qwen-0.5b", "bfloat16", "int8", "cpu_bf16"): (0.97, 4e-3),  # 0.990, 2.3e-3
+    ("smollm2", "bfloat16", None, "torch", "auto"): (0.96, 3e-3),  # 0.975, 1.2e-3
+    ("smollm2", "float32", "fp8_per_tensor", "torch", "auto"): (0.93, 0.03),  # 0.947, 1.5e-2
+    ("smollm2", "float32", "int8", "torch", "auto"): (0.97, 6e-3),  # 0.982, 3.0e-3
+    ("smollm2", "float32", "int4", "torch", "auto"): (
+        0.99,
+        1e-4,
+    ),  # 1.000, 6e-9: groups of 32 hold Q4_1 exactly
+    ("smollm2", "bfloat16", None, "cpu_bf16", "auto"): (
+        0.94,
+        6e-3,
+    ),  # 0.960, 3.9e-3: Q4_1 bits, int8 activations
+    ("qwen-0.5b", "bfloat16", None, "torch", "auto"): (0.97, 3e-3),  # 0.989, 1.4e-3
+    ("qwen-0.5b", "float32", "fp8_per_tensor", "torch", "auto"): (0.96, 6e-3),  # 0.974, 3.1e-3
+    ("qwen-0.5b", "float32", "int8", "torch", "auto"): (0.97, 4e-3),  # 0.984, 2.0e-3
+    ("qwen-0.5b", "float32", "int4", "torch", "auto"): (0.9, 0.06),  # 0.925, 3.5e-2: Q5_0/Q6_K/Q8_0 in 4 bits
+    ("qwen-0.5b", "bfloat16", None, "cpu_bf16", "auto"): (0.96, 4e-3),  # 0.980, 2.1e-3: the file's own bits
+    ("qwen-0.5b", "bfloat16", "int8", "cpu_bf16", "auto"): (0.97, 4e-3),  # 0.990, 2.3e-3
+    ("smollm2", "bfloat16", None, "torch", "fp8"): (0.94, 1e-2),  # 0.962, 6.9e-3 (bf16 cache: 0.975, 1.2e-3)
+    ("qwen-0.5b", "bfloat16", None, "torch", "fp8"): (0.96, 1.8e-2),  # 0.980, 1.2e-2 (0.989, 1.4e-3)
 }
 
 
@@ -224,9 +233,11 @@ def test_bf16_and_online_quantization_teacher_forced(real: dict[str, Path], refe
     seqs = [(len(r["prompt"]), r["prompt"] + r["tokens"]) for r in reference["runs"]]
     longest = max(len(ids) for _, ids in seqs) + 1
 
-    def logprobs(dtype: torch.dtype, quantization: str | None, kernel: str = "torch") -> list[torch.Tensor]:
+    def logprobs(
+        dtype: torch.dtype, quantization: str | None, kernel: str = "torch", kv: str = "auto"
+    ) -> list[torch.Tensor]:
         model = load(str(real["gguf"]), quantization, dtype, longest, kernel)
-        logits = batch_logits(model, [ids for _, ids in seqs])
+        logits = batch_logits(model, [ids for _, ids in seqs], kv_dtype=kv_cache_dtype(kv, dtype))
         del model
         return [torch.log_softmax(lg[n - 1 : -1].float(), -1) for (n, _), lg in zip(seqs, logits)]
 
@@ -234,16 +245,16 @@ def test_bf16_and_online_quantization_teacher_forced(real: dict[str, Path], refe
     name, failed = reference["name"], []
     from kernels.native import load_native
 
-    for (model_name, dtype, quantization, kernel), (min_top1, max_kl) in FLOORS.items():
+    for (model_name, dtype, quantization, kernel, kv), (min_top1, max_kl) in FLOORS.items():
         if model_name != name or (kernel != "torch" and load_native() is not None):
             continue
-        got = logprobs(getattr(torch, dtype), quantization, kernel)
+        got = logprobs(getattr(torch, dtype), quantization, kernel, kv)
         agree = torch.cat([(g.argmax(-1) == r.argmax(-1)).float() for g, r in zip(got, ref)]).mean().item()
         kl = torch.cat([F.kl_div(g, r, log_target=True, reduction="none").sum(-1) for g, r in zip(got, ref)])
-        label = f"{name} {dtype} {quantization or 'none'} {kernel}"
+        label = f"{name} {dtype} {quantization or 'none'} {kernel} kv {kv}"
         print(f"{label}: top-1 {agree:.3f}, mean KL {kl.mean().item():.2e}")
         if agree < min_top1 or kl.mean().item() > max_kl:
-            failed.append((dtype, quantization, kernel, round(agree, 3), kl.mean().item()))
+            failed.append((dtype, quantization, kernel, kv, round(agree, 3), kl.mean().item()))
     assert not failed, failed
 
 

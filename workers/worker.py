@@ -26,6 +26,7 @@ from kernels import select_backend
 from kernels.cpu_gemm import select_linear_kernel
 from kernels.native import use_native
 from workers.draft import DraftProposer
+from workers.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from workers.loader import build_model
 from workers.model_runner import ModelRunner
 from workers.models.fused_decode import Forward, select_forward
@@ -119,6 +120,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.model.dtype)
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.backend = select_backend(self.device, config.device.attention_backend)
         self.ops = select_ops(use_native(self.device))
         self.linear_kernel = select_linear_kernel(self.device, self.dtype)
@@ -134,6 +136,7 @@ class Worker:
         num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device)
         start = time.perf_counter()
         kv_caches = self.allocate_kv_cache(weights.model, self.config.model.num_layers, num_blocks)
+        self.calibrate(weights.model, kv_caches)
         self._log_start_up(weights, memory, num_blocks, time.perf_counter() - start)
         processors = self.build_processors()
         proposer = None if draft is None else self.build_proposer(draft, num_blocks, draft_forward)
@@ -244,7 +247,7 @@ class Worker:
 
     def _kv_bytes_per_block(self, model: LlamaForCausalLM, num_layers: int) -> int:
         attn = model.model.layers[0].self_attn
-        per_token = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.dtype)
+        per_token = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.kv_dtype)
         return per_token * self.config.cache.block_size
 
     def allocate_kv_cache(
@@ -254,7 +257,16 @@ class Worker:
         and untouched host pages are never committed, so a large budget costs nothing until used."""
         attn = model.model.layers[0].self_attn
         shape = (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
-        return [torch.empty(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        return [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)]
+
+    def calibrate(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> None:
+        """The per-kv-head scales of an fp8 cache (workers/kv_scales.py); nothing for other dtypes."""
+        if self.kv_dtype.itemsize == 1:
+            start = time.perf_counter()
+            calibrate_kv_scales(
+                model, kv_caches, self.config.model.vocab_size, self.config.model.max_model_len
+            )
+            log.info("rank %d: fp8 KV scales calibrated in %.2fs", self.tp.rank, time.perf_counter() - start)
 
     def _log_start_up(
         self, weights: LoadedWeights, memory: MemoryUsage, num_blocks: int, kv_seconds: float
@@ -289,6 +301,7 @@ class Worker:
         cfg = self.config
         spec, draft_cfg = self._draft_config()
         kv_caches = self.allocate_kv_cache(draft, draft_cfg.num_layers, num_blocks)
+        self.calibrate(draft, kv_caches)
         k = spec.num_speculative_tokens
         bs, max_len = cfg.cache.block_size, cfg.model.max_model_len
         return DraftProposer(draft, kv_caches, bs, self.device, k, max_len, forward)

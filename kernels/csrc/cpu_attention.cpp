@@ -4,6 +4,8 @@
 // torch.ops.ember.decode_attention / torch.ops.ember.rms_norm. Same contract as the torch references
 // in kernels/decode_attention.py and workers/models/layers.py (RMSNorm): float32 math, keys
 // 0 .. seq_len - 1 (the last `window` of them when window > 0), GQA head h -> kv head h / (H / Hkv).
+// An fp8 (e4m3) cache holds k / k_scale[h] and v / v_scale[h]: the key scale is folded into the score
+// scale and the value scale applied to each head's output.
 // Work is split over (request, kv head) pairs on torch's OpenMP pool; each pair reads its keys and
 // values once for all the query heads that share them.
 
@@ -11,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -168,7 +171,7 @@ void scores_heads(const float* q, int64_t G, int64_t D, const T* k, float* dst, 
 template <typename T>
 void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
                  int64_t window, int64_t bs, int64_t G, int64_t D, const int64_t* ks, const int64_t* vs,
-                 float scale, float* out) {
+                 float scale, float v_scale, float* out) {
   // q/out: [G, D] of this kv head's query heads; ks/vs: strides (block, slot) of the kv head's rows
   const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t L = len - start;
@@ -188,15 +191,18 @@ void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table,
     for (; g + 4 <= G; g += 4)
       for (int64_t c0 = 0; c0 < D; c0 += 16) weighted_4heads<T>(scores.data() + g * L, L, rows, c0, D, out + g * D);
   for (; g < G; ++g) weighted<T>(scores.data() + g * L, rows, D, out + g * D);
+  if (v_scale != 1.0f)
+    for (int64_t i = 0; i < G * D; ++i) out[i] *= v_scale;
 }
 
 }  // namespace
 
 // q [B, H, D]; k_cache / v_cache [blocks, block_size, Hkv, D]; block_tables [>=B, max_blocks];
-// seq_lens [>=B]; out [B, H, D] (written, any float dtype).
+// seq_lens [>=B]; kv_scales: empty, or float32 [2, Hkv] for an fp8 cache; out [B, H, D] (written,
+// any float dtype).
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                      int64_t window, const at::Tensor& out) {
+                      int64_t window, const at::Tensor& kv_scales, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: bad shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "decode_attention: k/v dtypes differ");
@@ -205,8 +211,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % Hkv == 0, "decode_attention: head sizes do not match");
   TORCH_CHECK(D % 8 == 0, "decode_attention: head_dim must be a multiple of 8");
+  const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(!fp8 || (kv_scales.scalar_type() == at::kFloat && kv_scales.numel() == 2 * Hkv),
+              "decode_attention: an fp8 cache needs float32 kv_scales [2, Hkv]");
+  TORCH_CHECK(fp8 || kv_scales.numel() == 0, "decode_attention: kv_scales are only for an fp8 cache");
   if (B == 0) return;
   const int64_t G = H / Hkv;
+  const at::Tensor sc = fp8 ? kv_scales.contiguous() : at::ones({2, Hkv}, q.options().dtype(at::kFloat));
+  const float* scp = sc.const_data_ptr<float>();
   const at::Tensor qf = q.to(at::kFloat).contiguous();
   const at::Tensor table = block_tables.to(at::kInt).contiguous();
   const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
@@ -226,7 +238,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "decode_attention: block ", blk, " is outside the cache");
     }
   }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_attention", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kFloat8_e4m3fn, k_cache.scalar_type(), "decode_attention", [&] {
     const scalar_t* kp = k_cache.const_data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.const_data_ptr<scalar_t>();
     at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
@@ -235,7 +247,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t offset = h * G * D + b * H * D;
         decode_pair<scalar_t>(qp + offset, kp + h * k_cache.stride(2), vp + h * v_cache.stride(2),
                               tp + b * tstride, lp[b], window, bs, G, D, ks, vs,
-                              static_cast<float>(scale), rp + offset);
+                              static_cast<float>(scale) * scp[h], scp[Hkv + h], rp + offset);
       }
     });
   });
@@ -275,7 +287,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, int window, Tensor(a!) out) -> ()",
+      "float scale, int window, Tensor kv_scales, Tensor(a!) out) -> ()",
       decode_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
 }

@@ -11,6 +11,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -50,18 +52,28 @@ struct Linears {
   }
 };
 
+// Keys or values (which = 0 / 1) [T, Hkv, D] in the cache's dtype: an fp8 cache stores x / scale of
+// their kv head, saturated at e4m3's largest finite value, as kernels/torch_ops.py's quantize_kv.
+at::Tensor to_cache(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& kv_scales, int64_t which) {
+  if (cache.scalar_type() != at::kFloat8_e4m3fn) return x.to(cache.scalar_type());
+  const at::Tensor scaled = at::div(x.to(at::kFloat), kv_scales.select(0, which).view({1, -1, 1}));
+  return at::clamp(scaled, -448.0, 448.0).to(at::kFloat8_e4m3fn);
+}
+
 }  // namespace
 
 // x [T, hidden] -> x + attn(norm(x)), then + mlp(norm(.)).
 // norms: input and post-attention norm weights. weights: the segments of qkv, o, gate_up and down in
 // order (`specs` says how many each has and their formats). scales: the fp8 scales of the four linears,
-// biases their biases (an empty tensor where there is none).
+// biases their biases (an empty tensor where there is none). kv_scales: empty, or [2, Hkv] for an fp8
+// cache.
 // dims: out features of qkv, o, gate_up, down; heads, kv heads, head size, rotary dims, window.
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::TensorList norms,
                          at::TensorList weights, at::TensorList scales, at::TensorList biases, at::IntArrayRef specs,
                          at::IntArrayRef dims, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
-                         const at::Tensor& cos, const at::Tensor& sin, double scale, double eps) {
+                         const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_scales, double scale,
+                         double eps) {
   TORCH_CHECK(norms.size() == 2 && scales.size() == 4 && biases.size() == 4 && dims.size() == 9,
               "decoder_layer: 2 norms, 4 scales, 4 biases and 9 dims");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layer: x must be a contiguous [T, hidden]");
@@ -74,9 +86,9 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::T
   at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
   at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
   rotary_(positions, q, k, cos, sin, dims[7]);
-  write_kv(k.to(k_cache.scalar_type()), v.to(v_cache.scalar_type()), k_cache, v_cache, slot_mapping);
+  write_kv(to_cache(k, k_cache, kv_scales, 0), to_cache(v, v_cache, kv_scales, 1), k_cache, v_cache, slot_mapping);
   const at::Tensor attn = at::empty({T, H, D}, x.options());
-  decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, dims[8], attn);
+  decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, dims[8], kv_scales, attn);
   const at::Tensor h = at::add(x, lin.apply(attn.view({T, H * D}), 1));
   const at::Tensor act = silu_and_mul(lin.apply(rms_norm(h, norms[1], eps), 2));
   const at::Tensor y = at::add(h, lin.apply(act, 3));
@@ -89,6 +101,6 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
       "decoder_layer(Tensor x, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor[] scales, "
       "Tensor[] biases, int[] specs, int[] dims, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, "
-      "Tensor cos, Tensor sin, float scale, float eps) -> Tensor",
+      "Tensor cos, Tensor sin, Tensor kv_scales, float scale, float eps) -> Tensor",
       decoder_layer);
 }

@@ -124,7 +124,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
   TORCH_CHECK(slots.numel() >= T, "write_kv: slot_mapping is shorter than the tokens");
   const int64_t* sp = slots.const_data_ptr<int64_t>();
   const int64_t blocks = k_cache.size(0);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "write_kv", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kFloat8_e4m3fn, key.scalar_type(), "write_kv", [&] {
     const scalar_t* kp = key.const_data_ptr<scalar_t>();
     const scalar_t* vp = value.const_data_ptr<scalar_t>();
     scalar_t* kc = k_cache.mutable_data_ptr<scalar_t>();

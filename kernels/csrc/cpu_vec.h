@@ -2,17 +2,25 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
 #include <cstdint>
 #include <type_traits>
 
-// 8 values of T as 8 floats (AVX2; F16C for half).
+// 8 values of T as 8 floats (AVX2; F16C for half and fp8). An e4m3 byte s.eeee.mmm moved to the
+// half s.0eeee.mmm0000000 is the same number times 2^-8 (normal or subnormal alike), so one shift,
+// one half-to-float conversion and one exact multiply give it.
 template <typename T>
 inline __m256 load8(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm256_mul_ps(_mm256_cvtph_ps(_mm_or_si128(mag, sign)), _mm256_set1_ps(256.0f));
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));

@@ -8,6 +8,7 @@ garbage; all must write the same cache and agree with a naive per-token attentio
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import torch
 from kernels import AttentionBackend, AttentionMetadata, select_backend
 from kernels.backend import CpuBackend, TorchBackend, TritonBackend
 from kernels.native import load_native
+from kernels.torch_ops import quantize_kv
 
 pytestmark = pytest.mark.model
 
@@ -22,7 +24,9 @@ QUERY_LENS = [1, 1, 1, 5, 14, 1, 22]
 SEQ_LENS = [4, 17, 33, 12, 14, 9, 30]
 
 
-def _step(backend: AttentionBackend, case, window: int | None, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _step(
+    backend: AttentionBackend, case, window: int | None, pad: int, kv_scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     kv = case.kv.clone()
     q, k, v, meta = case.q, case.k_new, case.v_new, case.meta
     if pad:  # CUDA-graph style padding: extra rows whose slot is -1
@@ -30,7 +34,7 @@ def _step(backend: AttentionBackend, case, window: int | None, pad: int) -> tupl
         q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], generator=gen).to(x)]) for x in (q, k, v))
         minus_one = torch.full((pad,), -1, dtype=meta.slot_mapping.dtype, device=q.device)
         meta = dataclasses.replace(meta, slot_mapping=torch.cat([meta.slot_mapping, minus_one]))
-    out = backend.forward(q, k, v, kv[0], kv[1], meta, case.scale, window)
+    out = backend.forward(q, k, v, kv[0], kv[1], meta, case.scale, window, kv_scales)
     return out, kv
 
 
@@ -83,6 +87,42 @@ def test_cpu_backend_agrees_with_torch(build_case, naive_attention, native_ops, 
     torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
     n = case.meta.num_actual_tokens
     torch.testing.assert_close(out[:n].double(), naive_attention(case, window), atol=tol, rtol=tol)
+
+
+def _fp8_case(case, kv_scales: torch.Tensor):
+    """The case over an e4m3 cache holding x / scale per kv head (garbage saturated or NaN), and the same
+    case with its keys and values rounded through fp8, which is what every backend must attend over."""
+    kv = torch.stack(
+        [quantize_kv(case.kv[i].flatten(0, 1), torch.float8_e4m3fn, kv_scales, i) for i in (0, 1)]
+    )
+    fp8 = SimpleNamespace(**{**vars(case), "kv": kv.view(case.kv.shape)})
+
+    def rounded(x: torch.Tensor, i: int) -> torch.Tensor:
+        return quantize_kv(x, torch.float8_e4m3fn, kv_scales.cpu(), i).float() * kv_scales[i].cpu()[:, None]
+
+    keys, values = [rounded(x, 0) for x in case.keys], [rounded(x, 1) for x in case.values]
+    return fp8, SimpleNamespace(**{**vars(case), "keys": keys, "values": values})
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_fp8_cache_backends_agree(build_case, naive_attention, native_ops, window) -> None:
+    """An fp8 cache with per-kv-head scales: every backend writes the same bytes and attends over the
+    values the cache holds (value * scale), exactly up to float32 rounding."""
+    case = build_case(QUERY_LENS, SEQ_LENS, num_heads=8, num_kv_heads=2, head_dim=32)
+    scales = torch.tensor([[0.02, 0.012], [0.01, 0.03]], device=case.q.device)
+    fp8, rounded = _fp8_case(case, scales)
+    ref_out, ref_kv = _step(TorchBackend(), fp8, window, 2, scales)
+    n = case.meta.num_actual_tokens
+    expect = naive_attention(rounded, window)
+    torch.testing.assert_close(ref_out[:n].cpu().double(), expect, atol=1e-5, rtol=1e-5)
+    assert ref_kv.dtype == torch.float8_e4m3fn
+    backends = [TritonBackend()] + ([CpuBackend()] if case.q.device.type == "cpu" else [])
+    for backend in backends:
+        out, kv = _step(backend, fp8, window, 2, scales)
+        assert torch.equal(kv.view(torch.uint8), ref_kv.view(torch.uint8)), backend.name
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    # the rounding itself: within a few percent of attention over the unrounded values
+    torch.testing.assert_close(ref_out[:n].cpu().double(), naive_attention(case, window), atol=0.1, rtol=0.1)
 
 
 def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ import torch
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
 from kernels.qgemm import KINDS
-from workers.models.layers import ColumnLinear, RotaryEmbedding, RowLinear
+from workers.models.layers import ColumnLinear, PagedAttention, RotaryEmbedding, RowLinear
 from workers.models.llama import DecoderLayer, LlamaForCausalLM
 from workers.models.ops import NativeCpuOps
 from workers.quant.fp8 import Fp8PerTensor
@@ -45,6 +45,7 @@ class FusedLayer:
     dims: list[int]
     scale: float
     eps: float
+    attention: PagedAttention  # read at each call: its fp8 kv_scales are set after this is built
 
 
 def segments(lin: ColumnLinear | RowLinear) -> list[tuple[torch.Tensor, list[int]]] | None:
@@ -99,7 +100,8 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     window = attn.attn.sliding_window or 0
     dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim, window]
     norm_weights: list[torch.Tensor] = [norms[0].weight, norms[1].weight]
-    return FusedLayer(norm_weights, weights, scales, biases, specs, dims, attn.attn.scale, norms[0].eps)
+    args = (attn.attn.scale, norms[0].eps, attn.attn)
+    return FusedLayer(norm_weights, weights, scales, biases, specs, dims, *args)
 
 
 MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
@@ -130,8 +132,10 @@ def run(
     layer_op = torch.ops.ember.decoder_layer
     cos, sin = rotary.cos, rotary.sin
     x = x.contiguous()
+    no_scales = torch.empty(0)
     for p, kv in zip(plans, kv_caches, strict=True):
-        args = (kv[0], kv[1], table, lens, slots, cos, sin, p.scale, p.eps)
+        kv_scales = no_scales if p.attention.kv_scales is None else p.attention.kv_scales
+        args = (kv[0], kv[1], table, lens, slots, cos, sin, kv_scales, p.scale, p.eps)
         x = layer_op(x, positions, p.norms, p.weights, p.scales, p.biases, p.specs, p.dims, *args)
     return x
 

@@ -244,7 +244,12 @@ class RotaryEmbedding(OpModule):
 
 
 class PagedAttention(nn.Module):
-    """Multi-head attention over the paged KV cache through the chosen backend (no parameters)."""
+    """Multi-head attention over the paged KV cache through the chosen backend (no parameters).
+
+    With an fp8 cache, `kv_scales` [2, Hkv] holds the per-kv-head key and value scales; while
+    `kv_amax` is set (workers/kv_scales.py calibrating them) each step's largest |k| and |v| per kv
+    head are folded into it.
+    """
 
     def __init__(
         self,
@@ -261,6 +266,8 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        self.kv_scales: torch.Tensor | None = None
+        self.kv_amax: torch.Tensor | None = None
 
     def forward(
         self,
@@ -270,7 +277,12 @@ class PagedAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        if self.kv_amax is not None:
+            n = meta.num_actual_tokens
+            step = torch.stack([k[:n].abs().amax(dim=(0, 2)), v[:n].abs().amax(dim=(0, 2))]).float()
+            self.kv_amax = torch.maximum(self.kv_amax, step)
+        args = (meta, self.scale, self.sliding_window, self.kv_scales)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], *args)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
 

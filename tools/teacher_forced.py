@@ -1,8 +1,9 @@
-"""Ember's model classes driven in the test process: load a checkpoint, teacher-forced logits.
+"""Ember's model classes driven in one process: load a checkpoint, teacher-forced logits.
 
-Imported by tests only (quantization agreement, the real models' tables). `load` builds the model
-on the CPU as a worker would; `all_logits` runs one prefill through the paged-attention path and
-returns the next-token logits at every position (`batch_logits`: of several sequences at once).
+Used by the tests (quantization agreement, the real models' tables) and tools/kv_accuracy.py. `load`
+builds the model on the CPU as a worker would; `all_logits` runs one prefill through the
+paged-attention path and returns the next-token logits at every position (`batch_logits`: of several
+sequences at once, optionally over an fp8 KV cache with its calibrated scales).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from coreproc.config import ModelConfig
 from kernels import AttentionMetadata, select_backend
+from workers.kv_scales import calibrate_kv_scales
 from workers.loader import build_model
 from workers.parallel import TPGroup
 
@@ -57,16 +59,21 @@ def all_logits(model: torch.nn.Module, ids: list[int], block_size: int = 16) -> 
         return model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
 
 
-def batch_logits(model: torch.nn.Module, seqs: list[list[int]], block_size: int = 16) -> list[torch.Tensor]:
-    """`all_logits` of several sequences in one prefill (each weight read, or dequantized, once)."""
+def batch_logits(
+    model: torch.nn.Module, seqs: list[list[int]], block_size: int = 16, kv_dtype: torch.dtype | None = None
+) -> list[torch.Tensor]:
+    """`all_logits` of several sequences in one prefill (each weight read, or dequantized, once); the
+    cache in kv_dtype (default: the compute dtype), an fp8 one calibrated as a worker does."""
     blocks = [-(-len(ids) // block_size) for ids in seqs]
     starts = [sum(blocks[:i]) for i in range(len(seqs))]
     attn = model.model.layers[0].self_attn
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = kv_dtype or model.model.embed_tokens.weight.dtype
     kv = [
         torch.zeros(2, sum(blocks), block_size, attn.num_kv_heads, attn.head_dim, dtype=dtype)
         for _ in model.model.layers
     ]
+    if dtype.itemsize == 1:
+        calibrate_kv_scales(model, kv, model.config.vocab_size, max(len(s) for s in seqs))
     lens = [len(ids) for ids in seqs]
     tables = [list(range(start, start + b)) for start, b in zip(starts, blocks)]
     meta = AttentionMetadata.build(lens, lens, tables, block_size, "cpu")
