@@ -64,6 +64,16 @@ def batch_logits(
 ) -> list[torch.Tensor]:
     """`all_logits` of several sequences in one prefill (each weight read, or dequantized, once); the
     cache in kv_dtype (default: the compute dtype), an fp8 one calibrated as a worker does."""
+    with torch.inference_mode():
+        logits = model.compute_logits(prefill_hidden(model, seqs, block_size, kv_dtype))
+    return list(logits.split([len(ids) for ids in seqs]))
+
+
+@torch.inference_mode()
+def prefill_hidden(
+    model: torch.nn.Module, seqs: list[list[int]], block_size: int = 16, kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """The final hidden states [sum of lengths, hidden] of one prefill of `seqs` (see `batch_logits`)."""
     blocks = [-(-len(ids) // block_size) for ids in seqs]
     starts = [sum(blocks[:i]) for i in range(len(seqs))]
     attn = model.model.layers[0].self_attn
@@ -79,6 +89,4 @@ def batch_logits(
     meta = AttentionMetadata.build(lens, lens, tables, block_size, "cpu")
     ids = torch.tensor([t for s in seqs for t in s])
     positions = torch.cat([torch.arange(n) for n in lens])
-    with torch.inference_mode():
-        logits = model.compute_logits(model(ids, positions, kv, meta))
-    return list(logits.split(lens))
+    return model(ids, positions, kv, meta)

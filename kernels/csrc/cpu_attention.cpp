@@ -7,7 +7,7 @@
 // An fp8 (e4m3) cache holds k / k_scale[h] and v / v_scale[h]: the key scale is folded into the score
 // scale and the value scale applied to each head's output.
 // Work is split over (request, kv head) pairs on torch's OpenMP pool; each pair reads its keys and
-// values once for all the query heads that share them.
+// values once, a tile at a time, for all the query heads that share them (decode_pair).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -43,156 +43,128 @@ inline float exp_shift_sum(float* s, int64_t n, float m) {
   return sum;
 }
 
-// Calls f(t, row) for the rows of positions start .. len - 1 (t = pos - start) in block order: one
-// table lookup per block, and the next block's rows requested before this block's are used (one kv
-// head's rows sit Hkv rows apart in blocks anywhere in memory, which the hardware prefetcher does not
-// follow; without this, batch-32 decode is bound by memory latency).
-template <typename T, typename F>
-inline void for_rows(const T* cache, const int64_t* strides, const int32_t* table, int64_t start, int64_t len,
-                     int64_t bs, int64_t row_bytes, F f) {
-  auto prefetch_block = [&](int64_t pos) {
-    if (pos >= len) return;
-    const char* base = reinterpret_cast<const char*>(cache + table[pos / bs] * strides[0]);
-    for (int64_t off = pos % bs; off < bs; ++off)
-      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(base + off * strides[1] * sizeof(T) + b, _MM_HINT_T0);
-  };
-  prefetch_block(start);
-  for (int64_t pos = start; pos < len;) {
-    const int64_t off = pos % bs, n = std::min(bs - off, len - pos);
-    const T* base = cache + table[pos / bs] * strides[0];
-    prefetch_block(pos + n);
-    for (int64_t i = 0; i < n; ++i) f(pos + i - start, base + (off + i) * strides[1]);
-    pos += n;
-  }
-}
-
-// dst[g * ld] = scale * (q_g . k) for the G query heads of one kv head; C = D / 8 chunks of 8.
-// G and C are compile-time so the accumulators stay in registers.
-template <typename T, int GB, int C>
-__attribute__((noinline)) void scores_row(const float* q, int64_t D, const T* k, float* dst, int64_t ld,
-                                          float scale) {
-  __m256 acc[GB];
-#pragma GCC unroll 8
-  for (int g = 0; g < GB; ++g) acc[g] = _mm256_setzero_ps();
-#pragma GCC unroll 16
-  for (int c = 0; c < C; ++c) {
-    const __m256 kv = load8(k + 8 * c);
-#pragma GCC unroll 8
-    for (int g = 0; g < GB; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + 8 * c), kv, acc[g]);
-  }
-#pragma GCC unroll 8
-  for (int g = 0; g < GB; ++g) dst[g * ld] = hsum(acc[g]) * scale;
-}
-
-// out[0:8C] = sum_t p[t] * v_t over the rows of one query head (C <= 8 chunks of 8 floats).
-template <typename T, int C, typename Rows>
-__attribute__((noinline)) void weighted_rows(const float* p, Rows rows, int64_t c0, float* out) {
-  __m256 acc[C];
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  rows([&](int64_t t, const T* v) {
-    const __m256 pv = _mm256_set1_ps(p[t]);
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pv, load8(v + c0 + 8 * c), acc[c]);
-  });
-#pragma GCC unroll 8
-  for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
-}
-
-template <typename T, typename Rows>
-void weighted(const float* p, Rows rows, int64_t D, float* out) {
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
-    switch (std::min<int64_t>(8, (D - c0) / 8)) {
-      case 1: weighted_rows<T, 1>(p, rows, c0, out); break;
-      case 2: weighted_rows<T, 2>(p, rows, c0, out); break;
-      case 3: weighted_rows<T, 3>(p, rows, c0, out); break;
-      case 4: weighted_rows<T, 4>(p, rows, c0, out); break;
-      case 5: weighted_rows<T, 5>(p, rows, c0, out); break;
-      case 6: weighted_rows<T, 6>(p, rows, c0, out); break;
-      case 7: weighted_rows<T, 7>(p, rows, c0, out); break;
-      default: weighted_rows<T, 8>(p, rows, c0, out); break;
+constexpr int64_t kTile = 64;  // key positions per step of the online softmax (its rows stay in L1)
+constexpr int kMaxGroup = 8;   // query heads per kv head whose accumulators sit in registers at once
+// Row pointers of one kv head for positions p0 .. p0 + n - 1 (n <= kTile), walking the block table
+// without a division per position; `prefetch` also asks for their cache lines.
+template <typename T>
+inline void tile_rows(const T* cache, const int64_t* strides, const int32_t* table, int64_t bs, int64_t p0,
+                      int64_t n, int64_t row_bytes, bool prefetch, const T** rows) {
+  int64_t blk = p0 / bs, off = p0 % bs;
+  const T* base = cache + table[blk] * strides[0];
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = base + off * strides[1];
+    if (prefetch)
+      for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[i]) + b, _MM_HINT_T0);
+    if (++off == bs && i + 1 < n) {
+      off = 0;
+      base = cache + table[++blk] * strides[0];
     }
   }
 }
 
-// out[g, c0 : c0 + 16] = sum_t p[g, t] * v_t for 4 query heads at once (their probabilities ld
-// apart): each value row is loaded and widened once for the four heads instead of once per head. Each
-// output is the same FMA chain over t as in weighted_rows, so results are identical.
-template <typename T, typename Rows>
-__attribute__((noinline)) void weighted_4heads(const float* p, int64_t ld, Rows rows, int64_t c0, int64_t D,
-                                               float* out) {
-  __m256 a0 = _mm256_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-  rows([&](int64_t t, const T* v) {
-    const __m256 va = load8(v + c0), vb = load8(v + c0 + 8);
-    __m256 pv = _mm256_set1_ps(p[t]);
-    a0 = _mm256_fmadd_ps(pv, va, a0);
-    b0 = _mm256_fmadd_ps(pv, vb, b0);
-    pv = _mm256_set1_ps(p[ld + t]);
-    a1 = _mm256_fmadd_ps(pv, va, a1);
-    b1 = _mm256_fmadd_ps(pv, vb, b1);
-    pv = _mm256_set1_ps(p[2 * ld + t]);
-    a2 = _mm256_fmadd_ps(pv, va, a2);
-    b2 = _mm256_fmadd_ps(pv, vb, b2);
-    pv = _mm256_set1_ps(p[3 * ld + t]);
-    a3 = _mm256_fmadd_ps(pv, va, a3);
-    b3 = _mm256_fmadd_ps(pv, vb, b3);
-  });
-  const __m256 lo[4] = {a0, a1, a2, a3}, hi[4] = {b0, b1, b2, b3};
-  for (int g = 0; g < 4; ++g) {
-    _mm256_storeu_ps(out + g * D + c0, lo[g]);
-    _mm256_storeu_ps(out + g * D + c0 + 8, hi[g]);
+// s[g * kTile + i] = scale * (q_g . k_i) for GB query heads (q: [GB, D]) over a tile's key rows: each
+// key row is widened once for all GB heads, whose accumulators stay in registers.
+template <typename T, int GB>
+__attribute__((noinline)) void scores_tile(const float* q, int64_t D, const T* const* rows, int64_t n, float* s,
+                                           float scale) {
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 acc[GB];
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) acc[g] = _mm256_setzero_ps();
+    const T* k = rows[i];
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 kv = load8(k + c);
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), kv, acc[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) s[g * kTile + i] = hsum(acc[g]) * scale;
+  }
+}
+
+// acc[g, :] += sum_i p[g * kTile + i] * v_i for GB query heads over a tile's value rows, 8 dims at a
+// time: the GB partial sums of one chunk stay in registers across the tile's rows (in L1).
+template <typename T, int GB>
+__attribute__((noinline)) void values_tile(const float* p, const T* const* rows, int64_t n, int64_t D, float* acc) {
+  for (int64_t c = 0; c < D; c += 8) {
+    __m256 a[GB];
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) a[g] = _mm256_loadu_ps(acc + g * D + c);
+    for (int64_t i = 0; i < n; ++i) {
+      const __m256 v = load8(rows[i] + c);
+#pragma GCC unroll 8
+      for (int g = 0; g < GB; ++g) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * kTile + i]), v, a[g]);
+    }
+#pragma GCC unroll 8
+    for (int g = 0; g < GB; ++g) _mm256_storeu_ps(acc + g * D + c, a[g]);
   }
 }
 
 template <typename T, int GB>
-void scores_for(const float* q, int64_t D, const T* k, float* dst, int64_t ld, float scale) {
-  switch (D / 8) {
-    case 8: return scores_row<T, GB, 8>(q, D, k, dst, ld, scale);
-    case 16: return scores_row<T, GB, 16>(q, D, k, dst, ld, scale);
-    case 4: return scores_row<T, GB, 4>(q, D, k, dst, ld, scale);
-    case 10: return scores_row<T, GB, 10>(q, D, k, dst, ld, scale);
-    case 12: return scores_row<T, GB, 12>(q, D, k, dst, ld, scale);
-    case 32: return scores_row<T, GB, 32>(q, D, k, dst, ld, scale);
-    default: {  // other head sizes: widen the key row once, then a plain dot per query head
-      std::vector<float> row(D);
-      load_row(k, row.data(), D);
-      for (int g = 0; g < GB; ++g) dst[g * ld] = dot(q + g * D, row.data(), D) * scale;
-    }
+void tile_heads(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int64_t n, float* s,
+                float scale, float* m, float* l, float* acc) {
+  scores_tile<T, GB>(q, D, krows, n, s, scale);
+  for (int g = 0; g < GB; ++g) {  // online softmax: rescale what the earlier tiles left
+    float* sg = s + g * kTile;
+    const float m_new = std::max(m[g], *std::max_element(sg, sg + n));
+    const float alpha = std::exp(m[g] - m_new);
+    l[g] = l[g] * alpha + exp_shift_sum(sg, n, m_new);
+    m[g] = m_new;
+    if (alpha != 1.0f)
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
   }
+  values_tile<T, GB>(s, vrows, n, D, acc);
 }
 
 template <typename T>
-void scores_heads(const float* q, int64_t G, int64_t D, const T* k, float* dst, int64_t ld, float scale) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) scores_for<T, 4>(q + g * D, D, k, dst + g * ld, ld, scale);
-  for (; g < G; ++g) scores_for<T, 1>(q + g * D, D, k, dst + g * ld, ld, scale);
+void tile_group(int64_t gb, const float* q, int64_t D, const T* const* krows, const T* const* vrows, int64_t n,
+                float* s, float scale, float* m, float* l, float* acc) {
+  switch (gb) {
+    case 1: return tile_heads<T, 1>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    case 2: return tile_heads<T, 2>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    case 3: return tile_heads<T, 3>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    case 4: return tile_heads<T, 4>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    case 5: return tile_heads<T, 5>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    case 6: return tile_heads<T, 6>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    case 7: return tile_heads<T, 7>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    default: return tile_heads<T, 8>(q, D, krows, vrows, n, s, scale, m, l, acc);
+  }
 }
 
+// One (request, kv head) pair: its G query heads (q, out: [G, D]) against keys start .. len - 1, a tile
+// of kTile positions at a time with an online softmax, so each key and value row is read once for all
+// G heads (in groups of up to kMaxGroup) while the tile sits in L1; the next tile's rows are requested
+// first (one kv head's rows sit Hkv rows apart in blocks anywhere in memory, which the hardware
+// prefetcher does not follow). ks/vs: strides (block, slot) of the kv head's rows.
 template <typename T>
 void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
                  int64_t window, int64_t bs, int64_t G, int64_t D, const int64_t* ks, const int64_t* vs,
                  float scale, float v_scale, float* out) {
-  // q/out: [G, D] of this kv head's query heads; ks/vs: strides (block, slot) of the kv head's rows
   const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-  const int64_t L = len - start;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  std::vector<float> scores(G * L);
-  for_rows(kc, ks, table, start, len, bs, row_bytes,
-           [&](int64_t t, const T* k) { scores_heads(q, G, D, k, scores.data() + t, L, scale); });
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * L;
-    const float m = *std::max_element(s, s + L);
-    const float inv = 1.0f / exp_shift_sum(s, L, m);
-    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+  const T* krows[2][kTile];
+  const T* vrows[2][kTile];
+  float s[kMaxGroup * kTile];
+  std::vector<float> m(G, -INFINITY), l(G, 0.0f);
+  std::fill(out, out + G * D, 0.0f);
+  auto fetch = [&](int64_t p0, int slot) {
+    const int64_t n = std::min(kTile, len - p0);
+    tile_rows(kc, ks, table, bs, p0, n, row_bytes, true, krows[slot]);
+    tile_rows(vc, vs, table, bs, p0, n, row_bytes, true, vrows[slot]);
+  };
+  fetch(start, 0);
+  for (int64_t p0 = start, slot = 0; p0 < len; p0 += kTile, slot ^= 1) {
+    const int64_t n = std::min(kTile, len - p0);
+    if (p0 + kTile < len) fetch(p0 + kTile, static_cast<int>(slot ^ 1));
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup)
+      tile_group<T>(std::min<int64_t>(kMaxGroup, G - g0), q + g0 * D, D, krows[slot], vrows[slot], n, s, scale,
+                    m.data() + g0, l.data() + g0, out + g0 * D);
   }
-  auto rows = [&](auto f) { for_rows(vc, vs, table, start, len, bs, row_bytes, f); };
-  int64_t g = 0;
-  if (D % 16 == 0)
-    for (; g + 4 <= G; g += 4)
-      for (int64_t c0 = 0; c0 < D; c0 += 16) weighted_4heads<T>(scores.data() + g * L, L, rows, c0, D, out + g * D);
-  for (; g < G; ++g) weighted<T>(scores.data() + g * L, rows, D, out + g * D);
-  if (v_scale != 1.0f)
-    for (int64_t i = 0; i < G * D; ++i) out[i] *= v_scale;
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = v_scale / l[g];
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] *= inv;
+  }
 }
 
 }  // namespace

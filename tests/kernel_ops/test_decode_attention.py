@@ -81,6 +81,17 @@ def test_decode_cpu_matches_torch(build_case, naive_attention, native_ops, heads
     torch.testing.assert_close(out.double(), naive_attention(case, window), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("heads", [(14, 2), (12, 1), (9, 3)])  # G = 7, 12 (8 at once + 4), 3
+def test_decode_cpu_long_contexts_cross_tiles(build_case, naive_attention, native_ops, heads, window) -> None:
+    """Contexts over several 64-key tiles of the op's online softmax, windows starting mid-tile."""
+    lens = [1, 63, 64, 65, 200, 301]
+    case = build_case([1] * len(lens), lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=64)
+    out = _run(decode_attention_cpu, case, window)
+    torch.testing.assert_close(out, _run(decode_attention_torch, case, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), naive_attention(case, window), atol=1e-5, rtol=1e-5)
+
+
 def test_decode_cpu_writes_into_out_view(build_case, native_ops) -> None:
     case = build_case([1, 1, 1], [3, 12, 30], num_heads=4, num_kv_heads=2)
     big = torch.full((5, 4, 16), 7.0)
