@@ -72,7 +72,7 @@ def ember_rows(args: argparse.Namespace) -> dict[tuple[str, int, int], float]:
             for ctx in args.contexts:
                 dtype = kv_cache_dtype(kv, torch.bfloat16)
                 tps = ember_decode_tps(model, forward, ctx, batch, args.steps, dtype)
-                rows[(f"Ember, KV {kv}", batch, ctx)] = tps
+                rows[(f"Ember, KV {'bf16' if kv == 'auto' else kv}", batch, ctx)] = tps
                 print(f"ember kv={kv} batch={batch} ctx={ctx}: {tps:.1f} tok/s", file=sys.stderr, flush=True)
     return rows
 

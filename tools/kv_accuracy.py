@@ -1,6 +1,7 @@
 """Accuracy of the fp8 KV cache at long context: teacher-forced agreement with transformers.
 
-Usage: `python -m tools.kv_accuracy [--models smollm2,qwen-0.5b] [--context 4096] [--window 1024]`.
+Usage: `python -m tools.kv_accuracy [--models smollm2,qwen-0.5b] [--context 4096] [--window 1024]
+[--weights bf16,gguf]`.
 Per real model (tools/real_models.py): one text of `--context` tokens (the source of Python's
 `argparse` module: real code, the same on every machine with this Python), transformers' float32
 next-token distributions at its last `--window` positions, and Ember's over a bf16 and an fp8 KV
@@ -54,13 +55,14 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[float, fl
     return agree, kl.mean().item()
 
 
-def model_rows(name: str, context: int, window: int) -> list[str]:
+def model_rows(name: str, context: int, window: int, weights_kinds: list[str]) -> list[str]:
     paths = prepare(name)
     ids = text_ids(str(paths["hf-v5"]), context)
     ref = reference(str(paths["hf-v5"]), ids, window)
     rows = []
-    variants = (("bf16", paths["hf-v5"], "torch"), ("GGUF bits", paths["gguf"], "cpu_bf16"))
-    for weights, path, kernel in variants:
+    variants = {"bf16": (paths["hf-v5"], "torch"), "gguf": (paths["gguf"], "cpu_bf16")}
+    for weights in weights_kinds:
+        path, kernel = variants[weights]
         model = load(str(path), None, torch.bfloat16, context + 1, kernel)
         for kv in ("auto", "fp8"):
             hidden = prefill_hidden(model, [ids], kv_dtype=kv_cache_dtype(kv, torch.bfloat16))
@@ -68,7 +70,8 @@ def model_rows(name: str, context: int, window: int) -> list[str]:
                 got = window_logprobs(model.compute_logits, hidden, window)
             agree, kl = compare(ref, got)
             label = "bf16" if kv == "auto" else "fp8 e4m3"
-            rows.append(f"| {name} | {weights} | {label} | {agree:.3f} | {kl:.2e} |")
+            shown = "bf16" if weights == "bf16" else "GGUF bits"
+            rows.append(f"| {name} | {shown} | {label} | {agree:.3f} | {kl:.2e} |")
             print(rows[-1], file=sys.stderr, flush=True)
         del model
     return rows
@@ -79,9 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default="smollm2,qwen-0.5b")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--window", type=int, default=1024, help="positions scored, at the end of the context")
+    p.add_argument("--weights", default="bf16,gguf", help="bf16 (converted folder), gguf (own bits)")
     args = p.parse_args(argv)
     if not 0 < args.window < args.context:
         p.error("--window must be between 1 and --context - 1")
+    kinds = args.weights.split(",")
+    if not kinds or set(kinds) - {"bf16", "gguf"}:
+        p.error("--weights takes bf16 and/or gguf")
     lines = [
         f"teacher-forced over the last {args.window} of {args.context} tokens, against transformers float32",
         "",
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---|---|---|---|",
     ]
     for name in args.models.split(","):
-        lines += model_rows(name, args.context, args.window)
+        lines += model_rows(name, args.context, args.window, kinds)
     print("\n".join(lines))
 
 
