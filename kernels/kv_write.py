@@ -81,9 +81,10 @@ def kv_operands(
     k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: torch.Tensor | None, q: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The caches and [2, Hkv] scales as the attention kernels take them: an fp8 cache as bytes (the
-    interpreter has no fp8) with its scales; any other cache as it is, with unit scales (unread)."""
+    interpreter has no fp8) with its scales; any other cache as it is, with a placeholder the kernels
+    never read (uninitialised: no fill kernel per layer on CUDA)."""
     if k_cache.dtype != torch.float8_e4m3fn:
-        return k_cache, v_cache, q.new_ones(2, k_cache.shape[2], dtype=torch.float32)
+        return k_cache, v_cache, q.new_empty((2, 1), dtype=torch.float32)
     if kv_scales is None:
         raise ValueError("an fp8 cache needs kv_scales")
     return k_cache.view(torch.uint8), v_cache.view(torch.uint8), kv_scales.float().contiguous()
