@@ -45,6 +45,7 @@ inline float exp_shift_sum(float* s, int64_t n, float m) {
 
 constexpr int64_t kTile = 64;  // key positions per step of the online softmax (its rows stay in L1)
 constexpr int kMaxGroup = 8;   // query heads per kv head whose accumulators sit in registers at once
+
 // Row pointers of one kv head for positions p0 .. p0 + n - 1 (n <= kTile), walking the block table
 // without a division per position; `prefetch` also asks for their cache lines.
 template <typename T>
