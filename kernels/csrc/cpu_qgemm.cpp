@@ -29,6 +29,12 @@
 #include <memory>
 
 namespace {
+#ifndef TILE_U5
+#define TILE_U5 4
+#endif
+#ifndef TILE_OTHER
+#define TILE_OTHER 4
+#endif
 
 constexpr int kBlock = 16;          // output rows per block
 constexpr int64_t kXGroup = 32;     // k per activation scale
@@ -273,18 +279,90 @@ void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t
   few_rows_g<R, F, GS, G>(x, wt, out, ldo, n);
 }
 
-// Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 16]. steps / sstride: the
-// groups' steps (i8: in the block; u4 / u5: unpacked to bytes), params: group g0's parameters.
+// Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 16]: the many-row
+// micro-kernel. steps / sstride: the groups' steps as bytes (i8 as stored; u4 / u5 unpacked), params: group
+// g0's parameters. The steps of a run are a plain loop, so that the R x 2 int16 (or int32) sums and the
+// step's two weight vectors stay in registers; the integer sums of a group are exact and each output then takes the same
+// float operations, in the same order, as in tile(): the result is that of the few-row path.
 template <int R, int F, int GS>
 void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
                 const Weights& wt, int64_t g0, int64_t gn, float* acc) {
-  constexpr int W = F == kI8 ? kI8 : kU8;
-  __m256 a[R][1][2];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) a[r][0][h] = _mm256_loadu_ps(acc + (m + r) * kBlock + 8 * h);
-  tile<R, 1, W, GS, run_of(F)>(x + m, steps, sstride, params, wt.gbytes, 0, g0, gn, wt.pr, a);
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m + r) * kBlock + 8 * h, a[r][0][h]);
+  constexpr bool wide16 = F != kI8 && !kVnni;  // int16 runs, widened every RUN steps
+  constexpr int RUN = run_of(F);
+  const XRow* xr = x + m;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t gi = 0; gi < gn; ++gi) {
+    const int64_t t = (g0 + gi) * GS, xg = t / (kXGroup / 4);
+    const uint8_t* gw = steps + gi * sstride;
+    __m256i is[R][2], ps[R][2];
+    for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = ps[r][0] = ps[r][1] = _mm256_setzero_si256();
+    auto step = [&](int i) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gw + 64 * i));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gw + 64 * i + 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xr[r].q + 4 * (t + i), 4);
+        const __m256i xb = _mm256_set1_epi32(four);
+        if constexpr (F == kI8) {
+          is[r][0] = dot4(is[r][0], _mm256_sign_epi8(a, a), _mm256_sign_epi8(xb, a));
+          is[r][1] = dot4(is[r][1], _mm256_sign_epi8(b, b), _mm256_sign_epi8(xb, b));
+        } else if constexpr (!wide16) {
+          is[r][0] = dot4(is[r][0], a, xb);
+          is[r][1] = dot4(is[r][1], b, xb);
+        } else {
+          ps[r][0] = _mm256_add_epi16(ps[r][0], _mm256_maddubs_epi16(a, xb));
+          ps[r][1] = _mm256_add_epi16(ps[r][1], _mm256_maddubs_epi16(b, xb));
+        }
+      }
+    };
+    auto widen = [&]() {
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) {
+          is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(ps[r][h], ones));
+          ps[r][h] = _mm256_setzero_si256();
+        }
+    };
+    // Plain loops: fully unrolled, the compiler hoists the products of several steps and spills the sums.
+    constexpr int span = wide16 ? RUN : GS;
+    for (int i0 = 0; i0 < GS; i0 += span) {
+#pragma GCC unroll 1
+      for (int i = i0; i < i0 + span; ++i) step(i);
+      if constexpr (wide16) widen();
+    }
+    const uint8_t* pg = params + gi * wt.gbytes;
+    auto param8 = [&](int i) {
+      if (wt.pr.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 2 * i)));
+      return _mm256_loadu_ps(reinterpret_cast<const float*>(pg) + i);
+    };
+    for (int h = 0; h < 2; ++h) {
+      const __m256 scale = param8(8 * h);
+      __m256 off = _mm256_setzero_ps();
+      if (wt.pr.offsets)
+        off = param8(kBlock + 8 * h);
+      else if (wt.pr.zero)
+        off = _mm256_mul_ps(scale, _mm256_set1_ps(static_cast<float>(-wt.pr.zero)));
+      for (int r = 0; r < R; ++r) {
+        float* o = acc + (m + r) * kBlock + 8 * h;
+        const __m256 f = _mm256_cvtepi32_ps(is[r][h]);
+        __m256 v = _mm256_fmadd_ps(f, _mm256_mul_ps(scale, _mm256_set1_ps(xr[r].d[xg])), _mm256_loadu_ps(o));
+        if (wt.pr.mins()) v = _mm256_fmadd_ps(off, _mm256_set1_ps(xr[r].s[xg]), v);
+        _mm256_storeu_ps(o, v);
+      }
+    }
+  }
+}
+
+// Rows per many-row tile: R x 2 sums in registers, u5's int16 runs and int32 sums both.
+constexpr int tile_rows(int F) { return F == kU5 && !kVnni ? TILE_U5 : TILE_OTHER; }
+
+// The last rest (< R) rows of a chunk as one smaller tile.
+template <int R, int F, int GS>
+void chunk_tail(const XRow* x, int64_t m, int64_t rest, const uint8_t* steps, int64_t sstride,
+                const uint8_t* params, const Weights& wt, int64_t g0, int64_t gn, float* acc) {
+  if constexpr (R > 0) {
+    if (rest == R) return chunk_rows<R, F, GS>(x, m, steps, sstride, params, wt, g0, gn, acc);
+    chunk_tail<R - 1, F, GS>(x, m, rest, steps, sstride, params, wt, g0, gn, acc);
+  }
 }
 
 // 4 or more rows: threads split the blocks; each block is walked in chunks of kChunkSteps steps (u4 / u5
@@ -314,11 +392,10 @@ void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t 
           steps = wide.get();
           sstride = GS * 64;
         }
+        constexpr int TR = tile_rows(F);
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) chunk_rows<4, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
-        if (M - m == 3) chunk_rows<3, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
-        if (M - m == 2) chunk_rows<2, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
-        if (M - m == 1) chunk_rows<1, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
+        for (; m + TR <= M; m += TR) chunk_rows<TR, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
+        chunk_tail<TR - 1, F, GS>(x, m, M - m, steps, sstride, params, wt, c0, gn, acc.get());
       }
       for (int64_t m = 0; m < M; ++m) {
         const __m256 v[2] = {_mm256_loadu_ps(acc.get() + m * kBlock), _mm256_loadu_ps(acc.get() + m * kBlock + 8)};
