@@ -29,7 +29,7 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / f
     for f in ("cpu_gemm.cpp", "cpu_qgemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp")
 )
-HEADERS = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_vec.h", "cpu_ops.h"))
+HEADERS = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_vec.h", "cpu_ops.h", "cpu_qblocks.h"))
 LIBRARY = "ember_cpu_ops"
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 
