@@ -172,7 +172,7 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], list[int]]:
     """A GGUF file's implied config.json and EOS ids; ConfigError for tensor types Ember cannot read."""
     from coreproc.text.gguf_tokenizer import gguf_eos_token_ids
 
-    gguf = GGUFFile(path)
+    gguf = GGUFFile(path, vocabulary=False)
     gguf.check_types()
     try:
         return gguf.hf_config, gguf_eos_token_ids(gguf.metadata)

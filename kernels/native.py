@@ -27,7 +27,14 @@ ENV_VAR = "EMBER_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / f
-    for f in ("cpu_gemm.cpp", "cpu_qgemm.cpp", "cpu_attention.cpp", "cpu_layer_ops.cpp", "cpu_decoder.cpp")
+    for f in (
+        "cpu_gemm.cpp",
+        "cpu_qgemm.cpp",
+        "cpu_gguf.cpp",
+        "cpu_attention.cpp",
+        "cpu_layer_ops.cpp",
+        "cpu_decoder.cpp",
+    )
 )
 HEADERS = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_vec.h", "cpu_ops.h", "cpu_qblocks.h"))
 LIBRARY = "ember_cpu_ops"

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.native import use_native
+
 BLOCK = 16
 XGROUP = 32  # k per activation scale
 KINDS = ("i8", "u4", "u5")
@@ -65,7 +67,21 @@ def pack_qweight(
     """Integers q [N, K] (int8 for i8, uint8 in 0..15 / 0..31 for u4 / u5) with scales [N, ceil(K / G)]
     (and offsets, same shape, when fmt.offsets) -> uint8 [NB, Kp / G, group_bytes]: per block of 16 rows and
     group, the rows' scales (then offsets) as float32 (float16 with fmt.half), then the group's steps of
-    4 k. Padding is 0."""
+    4 k. Padding is 0. The native op where it runs (every packed layer at load), else `pack_qweight_torch`."""
+    assert (offsets is not None) == fmt.offsets, "offsets exactly when the format has them"
+    if q.device.type == "cpu" and use_native(q.device):
+        none = torch.empty(0, dtype=torch.float32)
+        kind = KINDS.index(fmt.kind)
+        return torch.ops.ember.qpack(
+            q, scales, none if offsets is None else offsets, kind, fmt.group, fmt.half
+        )
+    return pack_qweight_torch(q, scales, fmt, offsets)
+
+
+def pack_qweight_torch(
+    q: torch.Tensor, scales: torch.Tensor, fmt: QFormat, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Reference of `pack_qweight`."""
     n, k = q.shape
     kp, nb = padded_k(k), -(-n // BLOCK)
     groups, steps = kp // fmt.group, kp // 4

@@ -17,10 +17,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from coreproc import LLM, SamplingParams
 from coreproc.gguf_file import GGUFFile
-from kernels.qgemm import pack_qweight, unpack_qweight
+from kernels.qgemm import QFormat, pack_qweight, pack_qweight_torch, unpack_qweight
 from tools.hf_to_gguf import write_gguf
 from workers.gguf_dequant import dequantize
-from workers.gguf_repack import REPACKABLE, repack
+from workers.gguf_repack import REPACKABLE, repack, repack_torch
 from workers.gguf_weights import GGUFTensor, iter_gguf
 
 pytestmark = pytest.mark.model
@@ -55,6 +55,53 @@ def native_ops() -> None:
     reason = load_native()
     if reason is not None:
         pytest.skip(f"native CPU ops unavailable: {reason}")
+
+
+def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
+    """n x k weights of random valid blocks of `qtype` (small float16 scales and mins)."""
+    block, size = GGML_QUANT_SIZES[T(qtype)]
+    gen = torch.Generator().manual_seed(qtype + n)
+    raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=gen)
+    for offset in F16_FIELDS[T(qtype)]:
+        halves = (torch.rand(raw.shape[0], generator=gen) * 0.1).half()
+        raw[:, offset : offset + 2] = halves.view(torch.uint8).view(-1, 2)
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
+@pytest.mark.parametrize("n", [1, 16, 37])
+def test_native_load_time_ops_equal_the_torch_ones(native_ops, qtype: int, n: int) -> None:
+    """torch.ops.ember.gguf_decode / qpack (what a GGUF file loads with) give the bytes of the torch
+    references: integers, parameters and packed blocks, for rows that fill blocks or not."""
+    block = GGML_QUANT_SIZES[T(qtype)][0]
+    k = 2 * block
+    raw = random_blocks(qtype, n, k)
+    native, ref = repack(raw, qtype, (n, k)), repack_torch(raw, qtype, (n, k))
+    assert native.fmt == ref.fmt and torch.equal(native.q, ref.q) and native.q.dtype == ref.q.dtype
+    assert torch.equal(native.scales, ref.scales)
+    assert (native.offsets is None) == (ref.offsets is None)
+    if ref.offsets is not None:
+        assert torch.equal(native.offsets, ref.offsets)
+    packed = pack_qweight(native.q, native.scales, native.fmt, native.offsets)
+    assert torch.equal(packed, pack_qweight_torch(ref.q, ref.scales, ref.fmt, ref.offsets))
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [QFormat("i8"), QFormat("i8", group=16), QFormat("u4", offsets=True), QFormat("u5", zero=16, half=True)],
+    ids=str,
+)
+def test_native_pack_pads_odd_shapes(native_ops, fmt: QFormat) -> None:
+    """K not a multiple of 32 (zero steps and parameters past it) and N not of 16."""
+    n, k = 19, 70
+    gen = torch.Generator().manual_seed(3)
+    hi = {"i8": 127, "u4": 15, "u5": 31}[fmt.kind]
+    q = torch.randint(-127 if fmt.kind == "i8" else 0, hi + 1, (n, k), generator=gen)
+    q = q.to(torch.int8 if fmt.kind == "i8" else torch.uint8)
+    groups = -(-k // fmt.group)
+    scales = torch.rand(n, groups, generator=gen)
+    offsets = torch.rand(n, groups, generator=gen) if fmt.offsets else None
+    assert torch.equal(pack_qweight(q, scales, fmt, offsets), pack_qweight_torch(q, scales, fmt, offsets))
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
+from kernels.native import use_native
 from kernels.qgemm import QFormat
 from workers.gguf_dequant import _K_SCALE_SIZE, _bits, _f16, _k_scale_min, _nibbles, _q5_low_high
 
@@ -137,7 +138,18 @@ REPACKABLE: frozenset[int] = frozenset(int(t) for t in _REPACK)
 
 
 def repack(raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> Repacked:
-    """A 2-D tensor's stored bytes (uint8, as in the file) -> its integers and group parameters."""
+    """A 2-D tensor's stored bytes (uint8, as in the file) -> its integers and group parameters (the
+    native op where it runs, else `repack_torch`)."""
+    fmt = _REPACK[qtype][1]
+    if use_native("cpu"):
+        n, k = shape
+        q, scales, offsets = torch.ops.ember.gguf_decode(raw.reshape(-1), int(qtype), n, k)
+        return Repacked(q, scales, offsets if fmt.offsets else None, fmt)
+    return repack_torch(raw, qtype, shape)
+
+
+def repack_torch(raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> Repacked:
+    """Reference of `repack`."""
     fn, fmt = _REPACK[qtype]
     n, k = shape
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]

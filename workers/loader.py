@@ -78,7 +78,7 @@ def open_checkpoint(
     """How many tensors the files hold, and the lazy (file, name, tensor) iterator over them (a GGUF
     file's quantized tensors as stored when `native_gguf`)."""
     if len(files) == 1 and is_gguf(files[0]):
-        gguf = GGUFFile(files[0])
+        gguf = GGUFFile(files[0], vocabulary=False)
         return len(gguf.tensors), iter_gguf(gguf, native_gguf)
     total = 0
     for path in files:
@@ -199,7 +199,11 @@ def read_hf_config(model_dir: str) -> Any:
     from workers.models.layers import rope_parameters
 
     gguf = is_gguf(model_dir)
-    raw = GGUFFile(model_dir).hf_config if gguf else json.loads((Path(model_dir) / "config.json").read_text())
+    raw = (
+        GGUFFile(model_dir, vocabulary=False).hf_config
+        if gguf
+        else json.loads((Path(model_dir) / "config.json").read_text())
+    )
     light = SimpleNamespace(**{**LLAMA_DEFAULTS, **raw})
     kind = raw.get("model_type")
     if kind == "qwen2" and not raw.get("use_sliding_window"):

@@ -74,7 +74,8 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], source: str = "GGUF file")
     (ValueError naming `source` if it cannot be built); `tokenizer_from_gguf` builds it."""
     kind = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+    tokens = list(tokens) if isinstance(tokens, Sequence) and not isinstance(tokens, str) else None
+    if not tokens or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"cannot build a tokenizer from {source}: it has no tokenizer.ggml.tokens")
     architecture = metadata.get("general.architecture")
     if kind == "llama" and architecture in SENTENCEPIECE_SPECIAL_CASES:
