@@ -175,14 +175,15 @@ void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t
 }
 
 // Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 16]: the many-row
-// micro-kernel. steps / sstride: the groups' steps as bytes (i8 as stored; u4 / u5 unpacked), params: group
-// g0's parameters. The steps of a run are a plain loop, so that the R x 2 int16 (or int32) sums and the
-// step's two weight vectors stay in registers. The integer sums of a group are exact, and each output then
-// takes the float operations of tile() in its order: the result is that of the few-row path.
+// micro-kernel of u4 / u5. steps / sstride: the groups' steps unpacked to bytes, params: group g0's
+// parameters. The steps of a run are a plain loop, so that the R x 2 int16 sums and the step's two weight
+// vectors stay in registers (unrolled, the compiler hoisted the products of several steps and spilled the
+// sums). The integer sums of a group are exact, and each output then takes the float operations of tile()
+// in its order: the result is that of the few-row path.
 template <int R, int F, int GS>
-void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
-                const Weights& wt, int64_t g0, int64_t gn, float* acc) {
-  constexpr bool wide16 = F != kI8 && !kVnni;  // int16 runs, widened every RUN steps
+void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
+                  const Weights& wt, int64_t g0, int64_t gn, float* acc) {
+  constexpr bool wide16 = !kVnni;  // int16 runs, widened every RUN steps
   constexpr int RUN = run_of(F);
   const XRow* xr = x + m;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -198,10 +199,7 @@ void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride,
         int32_t four;
         std::memcpy(&four, xr[r].q + 4 * (t + i), 4);
         const __m256i xb = _mm256_set1_epi32(four);
-        if constexpr (F == kI8) {
-          is[r][0] = dot4(is[r][0], _mm256_sign_epi8(a, a), _mm256_sign_epi8(xb, a));
-          is[r][1] = dot4(is[r][1], _mm256_sign_epi8(b, b), _mm256_sign_epi8(xb, b));
-        } else if constexpr (!wide16) {
+        if constexpr (!wide16) {
           is[r][0] = dot4(is[r][0], a, xb);
           is[r][1] = dot4(is[r][1], b, xb);
         } else {
@@ -217,7 +215,6 @@ void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride,
           ps[r][h] = _mm256_setzero_si256();
         }
     };
-    // Plain loops: fully unrolled, the compiler hoists the products of several steps and spills the sums.
     constexpr int span = wide16 ? RUN : GS;
     for (int i0 = 0; i0 < GS; i0 += span) {
 #pragma GCC unroll 1
@@ -244,6 +241,23 @@ void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride,
         _mm256_storeu_ps(o, v);
       }
     }
+  }
+}
+
+// The same for i8 (steps as stored): tile() with its int32 and float sums in registers (measured faster
+// here than the u4 / u5 kernel's sums in memory).
+template <int R, int F, int GS>
+void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
+                const Weights& wt, int64_t g0, int64_t gn, float* acc) {
+  if constexpr (F == kI8) {
+    __m256 a[R][1][2];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) a[r][0][h] = _mm256_loadu_ps(acc + (m + r) * kBlock + 8 * h);
+    tile<R, 1, kI8, GS, 1>(x + m, steps, sstride, params, wt.gbytes, 0, g0, gn, wt.pr, a);
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m + r) * kBlock + 8 * h, a[r][0][h]);
+  } else {
+    chunk_rows_u<R, F, GS>(x, m, steps, sstride, params, wt, g0, gn, acc);
   }
 }
 
