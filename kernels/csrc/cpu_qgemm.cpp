@@ -62,8 +62,7 @@ void tile(const XRow* x, const uint8_t* steps, int64_t sstride, const uint8_t* p
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) is[r][j][0] = is[r][j][1] = ps[r][j][0] = ps[r][j][1] = _mm256_setzero_si256();
     const uint8_t* gw = steps + gi * sstride;
-#pragma GCC unroll 2
-    for (int i = 0; i < GS; ++i) {
+    auto step = [&](int i) __attribute__((always_inline)) {
       __m256i xb[R];
       for (int r = 0; r < R; ++r) {
         int32_t four;
@@ -102,6 +101,13 @@ void tile(const XRow* x, const uint8_t* steps, int64_t sstride, const uint8_t* p
               }
         }
       }
+    };
+    if constexpr (F == kU5) {  // unrolled: the fifth bits' shifts become immediates (2x faster here)
+#pragma GCC unroll 8
+      for (int i = 0; i < GS; ++i) step(i);
+    } else {
+#pragma GCC unroll 2
+      for (int i = 0; i < GS; ++i) step(i);
     }
     for (int j = 0; j < NB; ++j) {
       const uint8_t* pg = params + gi * pstride + j * bstride;
