@@ -86,6 +86,16 @@ def test_native_load_time_ops_equal_the_torch_ones(native_ops, qtype: int, n: in
     assert torch.equal(packed, pack_qweight_torch(ref.q, ref.scales, ref.fmt, ref.offsets))
 
 
+@pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_dequantize_equals_the_reference(native_ops, qtype: int, dtype: torch.dtype) -> None:
+    """An embedding's rows through the native repack: the reference dequantization's values exactly."""
+    n, k = 37, 2 * GGML_QUANT_SIZES[T(qtype)][0]
+    raw = random_blocks(qtype, n, k)
+    got = GGUFTensor(raw, qtype, (n, k)).dequantize(dtype)
+    assert got.dtype == dtype and torch.equal(got, dequantize(raw, qtype, (n, k), dtype))
+
+
 @pytest.mark.parametrize(
     "fmt",
     [QFormat("i8"), QFormat("i8", group=16), QFormat("u4", offsets=True), QFormat("u5", zero=16, half=True)],

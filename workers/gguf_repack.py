@@ -20,7 +20,15 @@ from gguf import GGML_QUANT_SIZES, QK_K, GGMLQuantizationType
 
 from kernels.native import use_native
 from kernels.qgemm import QFormat
-from workers.gguf_dequant import _K_SCALE_SIZE, _bits, _f16, _k_scale_min, _nibbles, _q5_low_high
+from workers.gguf_dequant import (
+    _CHUNK_ELEMENTS,
+    _K_SCALE_SIZE,
+    _bits,
+    _f16,
+    _k_scale_min,
+    _nibbles,
+    _q5_low_high,
+)
 
 _T = GGMLQuantizationType
 
@@ -49,6 +57,23 @@ class Repacked:
         g0, gn = start // group, length // group
         off = None if self.offsets is None else self.offsets[:, g0 : g0 + gn]
         return Repacked(self.q[:, start : start + length], self.scales[:, g0 : g0 + gn], off, self.fmt)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [N, K] values in `dtype`: the float32 operations of `workers.gguf_dequant` in its order
+        ((q - zero) * scale, or q * scale + offset, where its offsets are minus the mins it subtracts),
+        so bit for bit its result; in chunks of rows."""
+        n, k = self.rows, int(self.q.shape[1])
+        group, out = self.fmt.group, torch.empty(n, k, dtype=dtype)
+        step = max(1, _CHUNK_ELEMENTS // max(1, k))
+        for r in range(0, n, step):
+            q = self.q[r : r + step].to(torch.float32)
+            if self.fmt.zero:
+                q -= self.fmt.zero
+            w = q.view(q.shape[0], k // group, group) * self.scales[r : r + step].unsqueeze(-1)
+            if self.offsets is not None:
+                w = w + self.offsets[r : r + step].unsqueeze(-1)
+            out[r : r + step] = w.view(q.shape[0], k)
+        return out
 
     def pad_rows(self, rows: int) -> Repacked:
         """Zero rows appended up to `rows` (a vocabulary shard past the vocabulary's end)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from coreproc.gguf_file import GGUFFile, TensorInfo
+from kernels.native import use_native
 from workers.gguf_dequant import dequantize, nbytes, type_name
 from workers.gguf_repack import REPACKABLE, Repacked, repack
 
@@ -75,7 +76,11 @@ class GGUFTensor:
         return type_name(self.qtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The reference values (computed in float32, then rounded to `dtype` chunk by chunk)."""
+        """The reference values (computed in float32, then rounded to `dtype` chunk by chunk): through
+        the native repack where it runs (an embedding of 136M weights: ~1 s -> ~0.3 s), else
+        `workers.gguf_dequant`."""
+        if use_native("cpu"):
+            return self.repack().dequantize(dtype)
         return dequantize(self.raw, self.qtype, self.shape, dtype)
 
     def repack(self) -> Repacked:
