@@ -32,19 +32,25 @@ F16_FIELDS |= {T.Q5_K: [0, 2], T.Q6_K: [208]}
 PROMPTS = [[1, 5, 9, 200, 31], [1, 77, 78], [1, 300, 301, 302, 303, 304, 305, 306, 42]]
 
 
-@pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
-def test_repack_stands_for_the_reference_dequantization(qtype: int) -> None:
+def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
+    """n x k weights of random valid blocks of `qtype` (small float16 scales and mins)."""
     block, size = GGML_QUANT_SIZES[T(qtype)]
-    n, k = 21, 3 * block
-    gen = torch.Generator().manual_seed(qtype)
+    gen = torch.Generator().manual_seed(qtype + n)
     raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=gen)
     for offset in F16_FIELDS[T(qtype)]:
         halves = (torch.rand(raw.shape[0], generator=gen) * 0.1).half()
         raw[:, offset : offset + 2] = halves.view(torch.uint8).view(-1, 2)
-    part = repack(raw.reshape(-1), qtype, (n, k))
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
+def test_repack_stands_for_the_reference_dequantization(qtype: int) -> None:
+    n, k = 21, 3 * GGML_QUANT_SIZES[T(qtype)][0]
+    raw = random_blocks(qtype, n, k)
+    part = repack(raw, qtype, (n, k))
     assert part.q.shape == (n, k) and part.scales.shape == (n, k // part.fmt.group)
     packed = pack_qweight(part.q, part.scales, part.fmt, part.offsets)
-    assert torch.equal(unpack_qweight(packed, part.fmt, n, k), dequantize(raw.reshape(-1), qtype, (n, k)))
+    assert torch.equal(unpack_qweight(packed, part.fmt, n, k), dequantize(raw, qtype, (n, k)))
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +61,6 @@ def native_ops() -> None:
     reason = load_native()
     if reason is not None:
         pytest.skip(f"native CPU ops unavailable: {reason}")
-
-
-def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
-    """n x k weights of random valid blocks of `qtype` (small float16 scales and mins)."""
-    block, size = GGML_QUANT_SIZES[T(qtype)]
-    gen = torch.Generator().manual_seed(qtype + n)
-    raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=gen)
-    for offset in F16_FIELDS[T(qtype)]:
-        halves = (torch.rand(raw.shape[0], generator=gen) * 0.1).half()
-        raw[:, offset : offset + 2] = halves.view(torch.uint8).view(-1, 2)
-    return raw.reshape(-1)
 
 
 @pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
