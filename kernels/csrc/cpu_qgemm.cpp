@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "cpu_qblocks.h"
+#include "cpu_qfew.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -33,158 +34,11 @@ namespace {
 
 using namespace qblocks;
 
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-constexpr bool kVnni = true;
-#else
-constexpr bool kVnni = false;
-#endif
-
-// acc += per 32-bit lane, the 4-byte dot product of u (unsigned) and x (signed).
-inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  return _mm256_dpbusd_epi32(acc, u, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
-
-// acc[R][NB][2] (float32, rows 0..7 and 8..15 of each block) += x rows . the blocks, over gn weight groups
-// from group g0. Group i of block j: its steps at steps + i * sstride + j * bstride, its parameters at
-// params + i * pstride + j * bstride. Per group: exact integer sums, then for each output
-// acc = fma(sum, scale * d, acc) and, with mins, acc = fma(offset, d * sum(q), acc). RUN: steps whose byte
-// products are summed in int16 before widening (u4: 8, as 8 x 2 x 15 x 127 < 2^15; u5: 4).
-template <int R, int NB, int F, int GS, int RUN>
-void tile(const XRow* x, const uint8_t* steps, int64_t sstride, const uint8_t* params, int64_t pstride,
-          int64_t bstride, int64_t g0, int64_t gn, const Params& pr, __m256 (&acc)[R][NB][2]) {
-  for (int64_t gi = 0; gi < gn; ++gi) {
-    const int64_t t = (g0 + gi) * GS, xg = t / (kXGroup / 4);  // first step, activation group
-    __m256i is[R][NB][2], ps[R][NB][2];  // int32 sums; int16 sums of RUN steps (u4 / u5 without VNNI)
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j) is[r][j][0] = is[r][j][1] = ps[r][j][0] = ps[r][j][1] = _mm256_setzero_si256();
-    const uint8_t* gw = steps + gi * sstride;
-    auto step = [&](int i) __attribute__((always_inline)) {
-      __m256i xb[R];
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, x[r].q + 4 * (t + i), 4);
-        xb[r] = _mm256_set1_epi32(four);
-      }
-      for (int j = 0; j < NB; ++j) {
-        __m256i a, b;
-        unpack<F>(gw + j * bstride, i, a, b);
-        if constexpr (F == kI8) {
-          const __m256i ua = _mm256_sign_epi8(a, a), ub = _mm256_sign_epi8(b, b);
-          for (int r = 0; r < R; ++r) {
-            is[r][j][0] = dot4(is[r][j][0], ua, _mm256_sign_epi8(xb[r], a));
-            is[r][j][1] = dot4(is[r][j][1], ub, _mm256_sign_epi8(xb[r], b));
-          }
-        } else if constexpr (kVnni) {
-          for (int r = 0; r < R; ++r) {
-            is[r][j][0] = dot4(is[r][j][0], a, xb[r]);
-            is[r][j][1] = dot4(is[r][j][1], b, xb[r]);
-          }
-        } else {
-          for (int r = 0; r < R; ++r) {
-            ps[r][j][0] = _mm256_add_epi16(ps[r][j][0], _mm256_maddubs_epi16(a, xb[r]));
-            ps[r][j][1] = _mm256_add_epi16(ps[r][j][1], _mm256_maddubs_epi16(b, xb[r]));
-          }
-        }
-      }
-      if constexpr (F != kI8 && !kVnni) {
-        if ((i + 1) % RUN == 0) {
-          const __m256i ones = _mm256_set1_epi16(1);
-          for (int r = 0; r < R; ++r)
-            for (int j = 0; j < NB; ++j)
-              for (int h = 0; h < 2; ++h) {
-                is[r][j][h] = _mm256_add_epi32(is[r][j][h], _mm256_madd_epi16(ps[r][j][h], ones));
-                ps[r][j][h] = _mm256_setzero_si256();
-              }
-        }
-      }
-    };
-    if constexpr (F == kU5) {  // unrolled: the fifth bits' shifts become immediates (2x faster here)
-#pragma GCC unroll 8
-      for (int i = 0; i < GS; ++i) step(i);
-    } else {
-#pragma GCC unroll 2
-      for (int i = 0; i < GS; ++i) step(i);
-    }
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* pg = params + gi * pstride + j * bstride;
-      // parameter i of the group's 16 (scales) or 32 (then offsets), as 8 floats from i
-      auto param8 = [&](int i) {
-        if (pr.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 2 * i)));
-        return _mm256_loadu_ps(reinterpret_cast<const float*>(pg) + i);
-      };
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scale = param8(8 * h);
-        __m256 off = _mm256_setzero_ps();
-        if (pr.offsets)
-          off = param8(kBlock + 8 * h);
-        else if (pr.zero)
-          off = _mm256_mul_ps(scale, _mm256_set1_ps(static_cast<float>(-pr.zero)));
-        for (int r = 0; r < R; ++r) {
-          const __m256 f = _mm256_cvtepi32_ps(is[r][j][h]);
-          acc[r][j][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(scale, _mm256_set1_ps(x[r].d[xg])), acc[r][j][h]);
-          if (pr.mins()) acc[r][j][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(x[r].s[xg]), acc[r][j][h]);
-        }
-      }
-    }
-  }
-}
-
-// Block results (16 floats: rows 0..7, 8..15) -> out[col .. col + 16) (fewer at the edge).
-inline void store_block(const __m256 (&v)[2], float* out, int64_t col, int64_t n) {
-  alignas(32) float t[kBlock];
-  _mm256_store_ps(t, v[0]);
-  _mm256_store_ps(t + 8, v[1]);
-  std::copy(t, t + std::min<int64_t>(kBlock, n - col), out + col);
-}
-
-constexpr int run_of(int F) { return F == kU4 ? 8 : 4; }
-
-// R rows against NB blocks from block b, over all groups, into out.
-template <int R, int NB, int F, int GS>
-void blocks_at(const XRow* x, const Weights& wt, int64_t b, float* out, int64_t ldo, int64_t n) {
-  __m256 acc[R][NB][2];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
-  const uint8_t* blk = wt.w + b * wt.bstride();
-  tile<R, NB, F, GS, run_of(F)>(x, blk + wt.pbytes(), wt.gbytes, blk, wt.gbytes, wt.bstride(), 0, wt.groups, wt.pr,
-                                 acc);
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) store_block(acc[r][j], out + r * ldo, (b + j) * kBlock, n);
-}
-
-// R (1..3) rows against groups of G blocks (decode, verification): the packed bits stream once.
-template <int R, int F, int GS, int G>
-void few_rows_g(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
-  const int64_t groups = (wt.nblocks + G - 1) / G;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t b = g * G;
-      if (b + G <= wt.nblocks) {
-        blocks_at<R, G, F, GS>(x, wt, b, out, ldo, n);
-        continue;
-      }
-      for (int64_t t = b; t < wt.nblocks; ++t) blocks_at<R, 1, F, GS>(x, wt, t, out, ldo, n);
-    }
-  });
-}
-
-// u5 keeps int16 and int32 sums per block: one block at a time leaves them in registers (measured
-// 9.5 -> 11 GB/s streaming on 2 cores); the others walk 4 / 3 / 2 blocks at once.
-template <int R, int F, int GS>
-void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
-  constexpr int G = F == kU5 ? 1 : R == 1 ? 4 : R == 2 ? 3 : 2;
-  few_rows_g<R, F, GS, G>(x, wt, out, ldo, n);
-}
-
 // Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 16]: the many-row
 // micro-kernel of u4 / u5. steps / sstride: the groups' steps unpacked to bytes, params: group g0's
 // parameters. The steps of a run are a plain loop, so that the R x 2 int16 sums and the step's two weight
 // vectors stay in registers (unrolled, the compiler hoisted the products of several steps and spilled the
-// sums). The integer sums of a group are exact, and each output then takes the float operations of tile()
+// sums). The integer sums of a group are exact, and each output then takes the float operations of few_tile()
 // in its order: the result is that of the few-row path.
 template <int R, int F, int GS>
 void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
@@ -250,16 +104,16 @@ void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstrid
   }
 }
 
-// The same for i8 (steps as stored): tile() with its int32 and float sums in registers (measured faster
-// here than the u4 / u5 kernel's sums in memory).
-template <int R, int F, int GS>
+// The same for i8 (steps as stored): the few-row tile, its int32 and float sums in registers (measured
+// faster than the u4 / u5 kernel's sums in memory). HALF / MINS: the i8 weight's parameters.
+template <int R, int F, int GS, bool HALF, bool MINS>
 void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
                 const Weights& wt, int64_t g0, int64_t gn, float* acc) {
   if constexpr (F == kI8) {
     __m256 a[R][1][2];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) a[r][0][h] = _mm256_loadu_ps(acc + (m + r) * kBlock + 8 * h);
-    tile<R, 1, kI8, GS, 1>(x + m, steps, sstride, params, wt.gbytes, 0, g0, gn, wt.pr, a);
+    few_tile<R, 1, kI8, GS, HALF, MINS>(x + m, params, wt, g0, gn, a);
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m + r) * kBlock + 8 * h, a[r][0][h]);
   } else {
@@ -271,19 +125,19 @@ void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride,
 constexpr int kTileRows = 4;
 
 // The last rest (< R) rows of a chunk as one smaller tile.
-template <int R, int F, int GS>
+template <int R, int F, int GS, bool HALF, bool MINS>
 void chunk_tail(const XRow* x, int64_t m, int64_t rest, const uint8_t* steps, int64_t sstride,
                 const uint8_t* params, const Weights& wt, int64_t g0, int64_t gn, float* acc) {
   if constexpr (R > 0) {
-    if (rest == R) return chunk_rows<R, F, GS>(x, m, steps, sstride, params, wt, g0, gn, acc);
-    chunk_tail<R - 1, F, GS>(x, m, rest, steps, sstride, params, wt, g0, gn, acc);
+    if (rest == R) return chunk_rows<R, F, GS, HALF, MINS>(x, m, steps, sstride, params, wt, g0, gn, acc);
+    chunk_tail<R - 1, F, GS, HALF, MINS>(x, m, rest, steps, sstride, params, wt, g0, gn, acc);
   }
 }
 
 // 4 or more rows: threads split the blocks; each block is walked in chunks of kChunkSteps steps (u4 / u5
 // unpacked to bytes once per chunk: 4 KiB, in L1) against tiles of 4 rows (the last 1-3 rows a smaller
 // tile); float sums park in acc [M, 16] between chunks.
-template <int F, int GS>
+template <int F, int GS, bool HALF, bool MINS>
 void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t ldo, int64_t n) {
   constexpr int64_t chunk = kChunkSteps / GS;  // groups per chunk
   at::parallel_for(0, wt.nblocks, 1, [&](int64_t b0, int64_t b1) {
@@ -309,8 +163,8 @@ void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t 
         }
         int64_t m = 0;
         for (; m + kTileRows <= M; m += kTileRows)
-          chunk_rows<kTileRows, F, GS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
-        chunk_tail<kTileRows - 1, F, GS>(x, m, M - m, steps, sstride, params, wt, c0, gn, acc.get());
+          chunk_rows<kTileRows, F, GS, HALF, MINS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
+        chunk_tail<kTileRows - 1, F, GS, HALF, MINS>(x, m, M - m, steps, sstride, params, wt, c0, gn, acc.get());
       }
       for (int64_t m = 0; m < M; ++m) {
         const __m256 v[2] = {_mm256_loadu_ps(acc.get() + m * kBlock), _mm256_loadu_ps(acc.get() + m * kBlock + 8)};
@@ -325,7 +179,10 @@ void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t
   if (M == 1) return few_rows<1, F, GS>(x, wt, out, n, n);
   if (M == 2) return few_rows<2, F, GS>(x, wt, out, n, n);
   if (M == 3) return few_rows<3, F, GS>(x, wt, out, n, n);
-  many_rows<F, GS>(x, M, wt, out, n, n);
+  if constexpr (F == kI8)  // the u4 / u5 kernel reads its parameters' kind at run time
+    with_params(wt.pr, [&](auto half, auto mins) { many_rows<F, GS, half(), mins()>(x, M, wt, out, n, n); });
+  else
+    many_rows<F, GS, false, false>(x, M, wt, out, n, n);
 }
 
 }  // namespace
