@@ -1,6 +1,6 @@
 """Tests of the integer-dot CPU matmul for group-quantized weights (kernels/qgemm.py, csrc/cpu_qgemm.cpp).
 
-Every format (i8 with groups of 32 and 16, u4 and u5 with zero points or offsets) round-trips through
+Every format (i8 with groups of 32 and 16, i8, u4 and u5 with zero points or offsets) round-trips through
 its packed layout exactly; the native op quantizes activations exactly as the torch reference does and
 equals the reference (quantized activations @ dequantized weight) within float32 summation order over
 every row-count path (1-3 rows against multi-block tiles, 4-row tiles and their 1-3 row tails, more
@@ -24,6 +24,8 @@ FORMATS = [
     QFormat("i8"),
     QFormat("i8", group=16),
     QFormat("i8", half=True),
+    QFormat("i8", offsets=True),  # no GGUF type, but the op takes it: the i8 kernels' minimums path
+    QFormat("i8", zero=3, half=True),
     QFormat("u4", offsets=True),
     QFormat("u4", zero=8),
     QFormat("u4", offsets=True, half=True),
