@@ -57,10 +57,10 @@ inline __m256 param8(const uint8_t* pg, int i) {
 // were as fast or slower with it.
 constexpr int64_t kAhead = 1536;
 
-// acc[R][NB][2] += R rows . NB blocks (block j at blk + j * bstride), over every group. Per group: exact
-// integer sums, then per output acc = fma(sum, scale * d, acc) and, with minimums, acc = fma(offset,
-// d * sum(q), acc): the float operations and order of the many-row path (batch invariance).
-// gn groups from group g0, whose bytes start at blk (block 0's group g0). Also the many-row path's i8 tile.
+// acc[R][NB][2] += R rows . NB blocks (block j at blk + j * bstride) over gn groups from group g0, whose
+// bytes start at blk (block 0's group g0). Per group: exact integer sums, then per output acc = fma(sum,
+// scale * d, acc) and, with minimums, acc = fma(offset, d * sum(q), acc): the float operations and order
+// of the many-row path (batch invariance). Also the many-row path's i8 tile.
 template <int R, int NB, int F, int GS, bool HALF, bool MINS>
 void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, int64_t gn,
               __m256 (&acc)[R][NB][2]) {
