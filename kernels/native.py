@@ -36,7 +36,9 @@ SOURCES = tuple(
         "cpu_decoder.cpp",
     )
 )
-HEADERS = tuple(Path(__file__).with_name("csrc") / f for f in ("cpu_vec.h", "cpu_ops.h", "cpu_qblocks.h", "cpu_qfew.h"))
+HEADERS = tuple(
+    Path(__file__).with_name("csrc") / f for f in ("cpu_vec.h", "cpu_ops.h", "cpu_qblocks.h", "cpu_qfew.h")
+)
 LIBRARY = "ember_cpu_ops"
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")
 
