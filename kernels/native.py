@@ -3,7 +3,8 @@
 Used by worker processes (and the preload daemon) on CPU devices. `load_native` compiles
 csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: 30-60 s on 2 cores, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
-flags (the build uses -march=native), and registers torch.ops.ember.{gemm_bf16, gemm_fp8, qgemm,
+flags (the build uses -march=native; $EMBER_CPU_MARCH names another target, e.g. haswell, to build
+and measure the 256-bit kernels on an AVX-512 machine), and registers torch.ops.ember.{gemm_bf16, gemm_fp8, qgemm,
 decode_attention, rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process;
 $EMBER_CPU_KERNELS=torch turns the native ops off (the torch references then run everywhere), =native
 makes their absence an error.
@@ -55,13 +56,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def march() -> str:
+    """The compiler's target: this CPU unless $EMBER_CPU_MARCH names another (one that it can run)."""
+    return os.environ.get("EMBER_CPU_MARCH", "").strip() or "native"
+
+
 def build_dir() -> Path:
     """Where this machine's build lives: the folder's name pins sources, torch and CPU flags."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember" / "kernels"
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
-    key.update(f"|{torch.__version__}|{platform.machine()}|{' '.join(sorted(cpu_flags()))}".encode())
+    key.update(f"|{torch.__version__}|{platform.machine()}|{' '.join(sorted(cpu_flags()))}|{march()}".encode())
     return base / key.hexdigest()[:16]
 
 
@@ -92,7 +98,7 @@ def load_native() -> str | None:
         cpp_extension.load(
             name=LIBRARY,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={march()}", "-fopenmp"],
             extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded (same soname)
             build_directory=str(folder),
             is_python_module=False,

@@ -23,6 +23,57 @@ constexpr int64_t kChunkSteps = 64;  // steps (256 k) of a block unpacked at onc
 enum QFmt { kI8 = 0, kU4 = 1, kU5 = 2 };
 constexpr int64_t step_bytes(int F) { return F == kU4 ? 32 : F == kU5 ? 40 : 64; }
 
+// The vector a step's products land in: with AVX-512 (BW + VNNI) one 512-bit vector holds a block's 16
+// rows; otherwise two 256-bit vectors hold rows 0..7 and 8..15 (kHalves). The V* helpers are the few
+// operations the kernels need, in the build's width.
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kHalves = 1;
+using VI = __m512i;
+using VF = __m512;
+inline VI vbcast(int32_t v) { return _mm512_set1_epi32(v); }
+inline VI vzero() { return _mm512_setzero_si512(); }
+inline VI vsub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline void vstore(uint8_t* p, VI v) { _mm512_storeu_si512(p, v); }
+inline VI vdpbusd(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline VF vfloat(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF vset(float v) { return _mm512_set1_ps(v); }
+inline VF vfzero() { return _mm512_setzero_ps(); }
+inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstoref(float* p, VF v) { _mm512_storeu_ps(p, v); }
+inline VF vhalf(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#else
+constexpr int kHalves = 2;
+using VI = __m256i;
+using VF = __m256;
+inline VI vbcast(int32_t v) { return _mm256_set1_epi32(v); }
+inline VI vzero() { return _mm256_setzero_si256(); }
+inline VI vsub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void vstore(uint8_t* p, VI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))  // see EMBER_QVNNI
+inline VI vdpbusd(VI acc, VI u, VI s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#endif
+inline VF vfloat(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF vset(float v) { return _mm256_set1_ps(v); }
+inline VF vfzero() { return _mm256_setzero_ps(); }
+inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstoref(float* p, VF v) { _mm256_storeu_ps(p, v); }
+inline VF vhalf(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+constexpr int kLanes = kBlock / kHalves;  // rows per vector
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define EMBER_QVNNI 1
+#else
+#define EMBER_QVNNI 0
+#endif
+constexpr bool kVnni = EMBER_QVNNI;
+
 // One quantized activation row: q [Kp] int8, per 32 k its scale d and d * sum(q).
 struct XRow {
   const int8_t* q;
@@ -94,29 +145,45 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, floa
 
 // The fifth bits of step i (0..7) of a plane, as 0x10 per byte: bit i of each byte moved to bit 4 by one
 // 16-bit shift (the neighbour byte's bits that cross over are masked off).
-inline __m256i fifth_bits(__m256i plane, int i) {
-  const __m256i moved = i <= 4 ? _mm256_slli_epi16(plane, 4 - i) : _mm256_srli_epi16(plane, i - 4);
+inline VI fifth_bits(VI plane, int i) {
+#if defined(__AVX512BW__)
+  const VI moved = i <= 4 ? _mm512_slli_epi16(plane, 4 - i) : _mm512_srli_epi16(plane, i - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x10));
+#else
+  const VI moved = i <= 4 ? _mm256_slli_epi16(plane, 4 - i) : _mm256_srli_epi16(plane, i - 4);
   return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+#endif
 }
 
-// Step i of a group of 8 (or 4) steps starting at g -> rows 0..7 (a) and 8..15 (b), each 32-bit lane one
-// row's 4 k. i is a constant once the group's loop unrolls, so every address is g plus an immediate.
-template <int F>
-inline void unpack(const uint8_t* g, int i, __m256i& a, __m256i& b) {
-  const uint8_t* w = g + i * (F == kU5 ? 32 : step_bytes(F));
-  if constexpr (F == kI8) {
-    a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+// Step i of a group of 8 (or 4) steps starting at g -> the block's 16 rows (v[0]: rows 0..7, v[1]: 8..15
+// with 256-bit vectors), each 32-bit lane one row's 4 k. i is a constant once the group's loop unrolls,
+// so every address is g plus an immediate. BYTES: u4 / u5 steps already unpacked, 64 bytes each.
+template <int F, bool BYTES = false>
+inline void unpack(const uint8_t* g, int i, VI (&v)[kHalves]) {
+  const uint8_t* w = g + i * (BYTES ? 64 : F == kU5 ? 32 : step_bytes(F));
+#if defined(__AVX512BW__)
+  if constexpr (F == kI8 || BYTES) {
+    v[0] = vload(w);
+  } else {  // both halves get the step's 32 bytes; the upper one takes their high nibbles
+    const VI both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+    const VI shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    v[0] = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0F));
+    if constexpr (F == kU5) v[0] = _mm512_or_si512(v[0], fifth_bits(vload(g + 256), i));
+  }
+#else
+  if constexpr (F == kI8 || BYTES) {
+    v[0] = vload(w);
+    v[1] = vload(w + 32);
   } else {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    const __m256i nib = _mm256_set1_epi8(0x0F);
-    a = _mm256_and_si256(v, nib);
-    b = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    const __m256i b = vload(w), nib = _mm256_set1_epi8(0x0F);
+    v[0] = _mm256_and_si256(b, nib);
+    v[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
     if constexpr (F == kU5) {
-      a = _mm256_or_si256(a, fifth_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 256)), i));
-      b = _mm256_or_si256(b, fifth_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + 288)), i));
+      v[0] = _mm256_or_si256(v[0], fifth_bits(vload(g + 256), i));
+      v[1] = _mm256_or_si256(v[1], fifth_bits(vload(g + 288), i));
     }
   }
+#endif
 }
 
 }  // namespace qblocks

@@ -19,19 +19,11 @@
 
 namespace qblocks {
 
+#if !EMBER_QVNNI
 // acc += per 32-bit lane, the 4-byte dot product of u (unsigned) and x (signed).
 inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  return _mm256_dpbusd_epi32(acc, u, x);
-#else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
 }
-
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-constexpr bool kVnni = true;
-#else
-constexpr bool kVnni = false;
 #endif
 
 // Steps whose byte products are summed in int16 before widening to int32 (u4: 8 x 2 x 15 x 127 < 2^15; u5: 4).
@@ -45,11 +37,11 @@ inline __attribute__((always_inline)) void unrolled(Fn&& f) {
   }(std::make_integer_sequence<int, N>{});
 }
 
-// Parameter i (of 16 scales, then 16 offsets) of a group, 8 of them from i.
+// Parameters i .. i + kLanes (of 16 scales, then 16 offsets) of a group.
 template <bool HALF>
-inline __m256 param8(const uint8_t* pg, int i) {
-  if constexpr (HALF) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 2 * i)));
-  return _mm256_loadu_ps(reinterpret_cast<const float*>(pg) + i);
+inline VF vparam(const uint8_t* pg, int i) {
+  if constexpr (HALF) return vhalf(pg + 2 * i);
+  return vloadf(reinterpret_cast<const float*>(pg) + i);
 }
 
 // u5 prefetches each group's bytes this far ahead: with it, a Q5_0 weight that does not fit the caches
@@ -57,99 +49,119 @@ inline __m256 param8(const uint8_t* pg, int i) {
 // were as fast or slower with it.
 constexpr int64_t kAhead = 1536;
 
-// acc[R][NB][2] += R rows . NB blocks (block j at blk + j * bstride) over gn groups from group g0, whose
-// bytes start at blk (block 0's group g0). Per group: exact integer sums, then per output acc = fma(sum,
-// scale * d, acc) and, with minimums, acc = fma(offset, d * sum(q), acc): the float operations and order
-// of the many-row path (batch invariance). Also the many-row path's i8 tile.
-template <int R, int NB, int F, int GS, bool HALF, bool MINS>
+// acc[R][NB][kHalves] += R rows . NB blocks (block j at blk + j * bstride) over gn groups from group g0,
+// whose bytes start at blk (block 0's group g0). Per group: exact integer sums, then per output acc =
+// fma(sum, scale * d, acc) and, with minimums, acc = fma(offset, d * sum(q), acc): the float operations and
+// order of the many-row path (batch invariance). Also the many-row path's i8 tile. Signed i8 weights meet
+// the signed activations by the sign trick (|w| . sign(x, w)) in 256-bit vectors; AVX-512 has no byte
+// sign, so there x + 128 (unsigned) . w is taken, less 128 * sum(w), once per block for all R rows.
+template <int R, int NB, int F, int GS, bool HALF, bool MINS, bool BYTES = false>
 void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, int64_t gn,
-              __m256 (&acc)[R][NB][2]) {
-  constexpr int RUN = F == kI8 || kVnni ? 1 : run_of(F);
+              VF (&acc)[R][NB][kHalves]) {
+  constexpr int H = kHalves, RUN = F == kI8 || kVnni ? 1 : run_of(F);
+  constexpr bool BIAS = F == kI8 && H == 1;  // the + 128 form
   const int64_t bs = wt.bstride(), pb = wt.pbytes();
-  const __m256 zero = _mm256_set1_ps(static_cast<float>(-wt.pr.zero));
+  const VF zero = vset(static_cast<float>(-wt.pr.zero));
   for (int64_t g = 0; g < gn; ++g) {
     const uint8_t* pg = blk + g * wt.gbytes;
     const uint8_t* gw = pg + pb;
     const int64_t t = (g0 + g) * GS, xg = t / (kXGroup / 4);
     if constexpr (F == kU5)  // u5 is slow enough per byte that the next groups must be asked for early
       for (int64_t o = 0; o < wt.gbytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + o) + kAhead, _MM_HINT_T0);
-    __m256i is[R][NB][2], ps[R][NB][2];
+    VI is[R][NB][H], bias[NB][H];
+#if !EMBER_QVNNI
+    VI ps[R][NB][H];
+#endif
     unrolled<GS>([&](auto I) {
       constexpr int i = I;
-      __m256i xb[R];
+      VI xb[R];
       for (int r = 0; r < R; ++r) {
-        int32_t four;
+        uint32_t four;
         std::memcpy(&four, x[r].q + 4 * (t + i), 4);
-        xb[r] = _mm256_set1_epi32(four);
+        xb[r] = vbcast(static_cast<int32_t>(BIAS ? four ^ 0x80808080u : four));
       }
       for (int j = 0; j < NB; ++j) {
-        __m256i a, b;
-        unpack<F>(gw + j * bs, i, a, b);
-        for (int r = 0; r < R; ++r) {
-          if constexpr (F == kI8 || kVnni) {
-            __m256i ua = a, ub = b, xa = xb[r], xbb = xb[r];
-            if constexpr (F == kI8) {
-              ua = _mm256_sign_epi8(a, a), ub = _mm256_sign_epi8(b, b);
-              xa = _mm256_sign_epi8(xb[r], a), xbb = _mm256_sign_epi8(xb[r], b);
-            }
-            const __m256i z = _mm256_setzero_si256();
-            is[r][j][0] = dot4(i == 0 ? z : is[r][j][0], ua, xa);
-            is[r][j][1] = dot4(i == 0 ? z : is[r][j][1], ub, xbb);
-          } else {
-            const __m256i pa = _mm256_maddubs_epi16(a, xb[r]), pbb = _mm256_maddubs_epi16(b, xb[r]);
-            ps[r][j][0] = i % RUN == 0 ? pa : _mm256_add_epi16(ps[r][j][0], pa);
-            ps[r][j][1] = i % RUN == 0 ? pbb : _mm256_add_epi16(ps[r][j][1], pbb);
+        VI w[H];
+        unpack<F, BYTES>(gw + j * bs, i, w);
+        for (int h = 0; h < H; ++h) {
+#if EMBER_QVNNI && defined(__AVX512BW__)
+          if constexpr (BIAS) bias[j][h] = vdpbusd(i == 0 ? vzero() : bias[j][h], vbcast(0x80808080), w[h]);
+          for (int r = 0; r < R; ++r) {
+            const VI prev = i == 0 ? vzero() : is[r][j][h];
+            is[r][j][h] = BIAS ? vdpbusd(prev, xb[r], w[h]) : vdpbusd(prev, w[h], xb[r]);
           }
+#elif EMBER_QVNNI
+          for (int r = 0; r < R; ++r) {
+            const VI prev = i == 0 ? vzero() : is[r][j][h];
+            if constexpr (F == kI8)
+              is[r][j][h] = vdpbusd(prev, _mm256_sign_epi8(w[h], w[h]), _mm256_sign_epi8(xb[r], w[h]));
+            else
+              is[r][j][h] = vdpbusd(prev, w[h], xb[r]);
+          }
+#else
+          for (int r = 0; r < R; ++r) {
+            if constexpr (F == kI8) {
+              const VI prev = i == 0 ? vzero() : is[r][j][h];
+              is[r][j][h] = dot4(prev, _mm256_sign_epi8(w[h], w[h]), _mm256_sign_epi8(xb[r], w[h]));
+            } else {
+              const __m256i p = _mm256_maddubs_epi16(w[h], xb[r]);
+              ps[r][j][h] = i % RUN == 0 ? p : _mm256_add_epi16(ps[r][j][h], p);
+            }
+          }
+#endif
         }
       }
-      if constexpr (F != kI8 && !kVnni && (i + 1) % RUN == 0) {
+#if !EMBER_QVNNI
+      if constexpr (F != kI8 && (i + 1) % RUN == 0) {
         const __m256i ones = _mm256_set1_epi16(1);
         for (int r = 0; r < R; ++r)
           for (int j = 0; j < NB; ++j)
-            for (int h = 0; h < 2; ++h) {
+            for (int h = 0; h < H; ++h) {
               const __m256i w = _mm256_madd_epi16(ps[r][j][h], ones);
               is[r][j][h] = i + 1 == RUN ? w : _mm256_add_epi32(is[r][j][h], w);
             }
       }
+#endif
     });
     for (int j = 0; j < NB; ++j) {
       const uint8_t* pj = pg + j * bs;
-      for (int h = 0; h < 2; ++h) {
-        const __m256 scale = param8<HALF>(pj, 8 * h);
-        __m256 off = _mm256_setzero_ps();
-        if constexpr (MINS) off = wt.pr.offsets ? param8<HALF>(pj, kBlock + 8 * h) : _mm256_mul_ps(scale, zero);
+      for (int h = 0; h < H; ++h) {
+        const VF scale = vparam<HALF>(pj, kLanes * h);
+        VF off = vfzero();
+        if constexpr (MINS) off = wt.pr.offsets ? vparam<HALF>(pj, kBlock + kLanes * h) : vmul(scale, zero);
         for (int r = 0; r < R; ++r) {
-          const __m256 f = _mm256_cvtepi32_ps(is[r][j][h]);
-          acc[r][j][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(scale, _mm256_set1_ps(x[r].d[xg])), acc[r][j][h]);
-          if constexpr (MINS) acc[r][j][h] = _mm256_fmadd_ps(off, _mm256_set1_ps(x[r].s[xg]), acc[r][j][h]);
+          const VF f = vfloat(BIAS ? vsub(is[r][j][h], bias[j][h]) : is[r][j][h]);
+          acc[r][j][h] = vfma(f, vmul(scale, vset(x[r].d[xg])), acc[r][j][h]);
+          if constexpr (MINS) acc[r][j][h] = vfma(off, vset(x[r].s[xg]), acc[r][j][h]);
         }
       }
     }
   }
 }
 
-// Block results (16 floats: rows 0..7, 8..15) -> out[col .. col + 16) (fewer at the edge).
-inline void store_block(const __m256 (&v)[2], float* out, int64_t col, int64_t n) {
-  alignas(32) float t[kBlock];
-  _mm256_store_ps(t, v[0]);
-  _mm256_store_ps(t + 8, v[1]);
+// Block results (16 floats: rows 0..15) -> out[col .. col + 16) (fewer at the edge).
+inline void store_block(const VF (&v)[kHalves], float* out, int64_t col, int64_t n) {
+  alignas(64) float t[kBlock];
+  for (int h = 0; h < kHalves; ++h) vstoref(t + kLanes * h, v[h]);
   std::copy(t, t + std::min<int64_t>(kBlock, n - col), out + col);
 }
 
 // R rows against NB blocks from block b, over all groups, into out.
 template <int R, int NB, int F, int GS, bool HALF, bool MINS>
 void few_blocks(const XRow* x, const Weights& wt, int64_t b, float* out, int64_t ldo, int64_t n) {
-  __m256 acc[R][NB][2];
+  VF acc[R][NB][kHalves];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < kHalves; ++h) acc[r][j][h] = vfzero();
   few_tile<R, NB, F, GS, HALF, MINS>(x, wt.w + b * wt.bstride(), wt, 0, wt.groups, acc);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) store_block(acc[r][j], out + r * ldo, (b + j) * kBlock, n);
 }
 
-// Blocks walked at once: their sums fit the 16 vector registers.
+// Blocks walked at once (256-bit vectors: their sums fit the 16 registers).
 template <int R, int F>
 constexpr int few_group() {
+  if constexpr (kHalves == 1) return 1;  // a 2-core Zen 5: walks of 2 or 4 blocks streamed 10-50% slower
   if constexpr (F == kU5) return 1;
   return R == 1 ? 4 : R == 2 ? 2 : 1;
 }

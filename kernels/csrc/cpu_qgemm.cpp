@@ -35,139 +35,147 @@ namespace {
 using namespace qblocks;
 
 // Rows m .. m + R of one block over gn groups from g0, from and back into acc [M, 16]: the many-row
-// micro-kernel of u4 / u5. steps / sstride: the groups' steps unpacked to bytes, params: group g0's
-// parameters. The steps of a run are a plain loop, so that the R x 2 int16 sums and the step's two weight
-// vectors stay in registers (unrolled, the compiler hoisted the products of several steps and spilled the
-// sums). The integer sums of a group are exact, and each output then takes the float operations of few_tile()
-// in its order: the result is that of the few-row path.
+// micro-kernel of u4 / u5 with 256-bit vectors. blk: group g0's parameters and its steps unpacked to bytes,
+// groups cw.gbytes apart. The steps of a run are a plain loop, so that the R x 2 int16 sums and the step's
+// two weight vectors stay in registers (unrolled, the compiler hoisted the products of several steps and
+// spilled the sums). The integer sums of a group are exact, and each output then takes the float
+// operations of few_tile() in its order: the result is that of the few-row path.
 template <int R, int F, int GS>
-void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
-                  const Weights& wt, int64_t g0, int64_t gn, float* acc) {
-  constexpr bool wide16 = !kVnni;  // int16 runs, widened every RUN steps
-  constexpr int RUN = run_of(F);
+void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* blk, const Weights& cw, int64_t g0, int64_t gn,
+                  float* acc) {
+  constexpr int H = kHalves;
   const XRow* xr = x + m;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t gi = 0; gi < gn; ++gi) {
     const int64_t t = (g0 + gi) * GS, xg = t / (kXGroup / 4);
-    const uint8_t* gw = steps + gi * sstride;
-    __m256i is[R][2], ps[R][2];
-    for (int r = 0; r < R; ++r) is[r][0] = is[r][1] = ps[r][0] = ps[r][1] = _mm256_setzero_si256();
+    const uint8_t* pg = blk + gi * cw.gbytes;
+    const uint8_t* gw = pg + cw.pbytes();
+    VI is[R][H];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) is[r][h] = vzero();
+#if EMBER_QVNNI
     auto step = [&](int i) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gw + 64 * i));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gw + 64 * i + 32));
+      VI a[H];
+      for (int h = 0; h < H; ++h) a[h] = vload(gw + 64 * i + 4 * kLanes * h);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xr[r].q + 4 * (t + i), 4);
+        const VI xb = vbcast(four);
+        for (int h = 0; h < H; ++h) is[r][h] = vdpbusd(is[r][h], a[h], xb);
+      }
+    };
+#pragma GCC unroll 1
+    for (int i = 0; i < GS; ++i) step(i);
+#else
+    constexpr int RUN = run_of(F);
+    __m256i ps[R][2];
+    auto step = [&](int i) {
+      const __m256i a = vload(gw + 64 * i), b = vload(gw + 64 * i + 32);
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, xr[r].q + 4 * (t + i), 4);
         const __m256i xb = _mm256_set1_epi32(four);
-        if constexpr (!wide16) {
-          is[r][0] = dot4(is[r][0], a, xb);
-          is[r][1] = dot4(is[r][1], b, xb);
-        } else {
-          ps[r][0] = _mm256_add_epi16(ps[r][0], _mm256_maddubs_epi16(a, xb));
-          ps[r][1] = _mm256_add_epi16(ps[r][1], _mm256_maddubs_epi16(b, xb));
-        }
+        const __m256i pa = _mm256_maddubs_epi16(a, xb), pb = _mm256_maddubs_epi16(b, xb);
+        ps[r][0] = _mm256_add_epi16(ps[r][0], pa);
+        ps[r][1] = _mm256_add_epi16(ps[r][1], pb);
       }
     };
-    auto widen = [&]() {
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) {
-          is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(ps[r][h], ones));
-          ps[r][h] = _mm256_setzero_si256();
-        }
-    };
-    constexpr int span = wide16 ? RUN : GS;
-    for (int i0 = 0; i0 < GS; i0 += span) {
+    for (int i0 = 0; i0 < GS; i0 += RUN) {
+      for (int r = 0; r < R; ++r) ps[r][0] = ps[r][1] = _mm256_setzero_si256();
 #pragma GCC unroll 1
-      for (int i = i0; i < i0 + span; ++i) step(i);
-      if constexpr (wide16) widen();
+      for (int i = i0; i < i0 + RUN; ++i) step(i);
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h)
+          is[r][h] = _mm256_add_epi32(is[r][h], _mm256_madd_epi16(ps[r][h], _mm256_set1_epi16(1)));
     }
-    const uint8_t* pg = params + gi * wt.gbytes;
-    auto param8 = [&](int i) {
-      if (wt.pr.half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pg + 2 * i)));
-      return _mm256_loadu_ps(reinterpret_cast<const float*>(pg) + i);
-    };
-    for (int h = 0; h < 2; ++h) {
-      const __m256 scale = param8(8 * h);
-      __m256 off = _mm256_setzero_ps();
-      if (wt.pr.offsets)
-        off = param8(kBlock + 8 * h);
-      else if (wt.pr.zero)
-        off = _mm256_mul_ps(scale, _mm256_set1_ps(static_cast<float>(-wt.pr.zero)));
+#endif
+    const Params& pr = cw.pr;
+    auto param = [&](int i) { return pr.half ? vparam<true>(pg, i) : vparam<false>(pg, i); };
+    for (int h = 0; h < H; ++h) {
+      const VF scale = param(kLanes * h);
+      VF off = vfzero();
+      if (pr.offsets)
+        off = param(kBlock + kLanes * h);
+      else if (pr.zero)
+        off = vmul(scale, vset(static_cast<float>(-pr.zero)));
       for (int r = 0; r < R; ++r) {
-        float* o = acc + (m + r) * kBlock + 8 * h;
-        const __m256 f = _mm256_cvtepi32_ps(is[r][h]);
-        __m256 v = _mm256_fmadd_ps(f, _mm256_mul_ps(scale, _mm256_set1_ps(xr[r].d[xg])), _mm256_loadu_ps(o));
-        if (wt.pr.mins()) v = _mm256_fmadd_ps(off, _mm256_set1_ps(xr[r].s[xg]), v);
-        _mm256_storeu_ps(o, v);
+        float* o = acc + (m + r) * kBlock + kLanes * h;
+        VF v = vfma(vfloat(is[r][h]), vmul(scale, vset(xr[r].d[xg])), vloadf(o));
+        if (pr.mins()) v = vfma(off, vset(xr[r].s[xg]), v);
+        vstoref(o, v);
       }
     }
   }
 }
 
-// The same for i8 (steps as stored): the few-row tile, its int32 and float sums in registers (measured
-// faster than the u4 / u5 kernel's sums in memory). HALF / MINS: the i8 weight's parameters.
+// The same as few_tile() (int32 and float sums in registers, measured faster than sums in memory): i8
+// (steps as stored), and with 512-bit vectors, whose 32 registers hold them, u4 / u5 (unpacked to bytes).
 template <int R, int F, int GS, bool HALF, bool MINS>
-void chunk_rows(const XRow* x, int64_t m, const uint8_t* steps, int64_t sstride, const uint8_t* params,
-                const Weights& wt, int64_t g0, int64_t gn, float* acc) {
-  if constexpr (F == kI8) {
-    __m256 a[R][1][2];
+void chunk_rows(const XRow* x, int64_t m, const uint8_t* blk, const Weights& cw, int64_t g0, int64_t gn,
+                float* acc) {
+  if constexpr (F == kI8 || kHalves == 1) {
+    VF a[R][1][kHalves];
     for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) a[r][0][h] = _mm256_loadu_ps(acc + (m + r) * kBlock + 8 * h);
-    few_tile<R, 1, kI8, GS, HALF, MINS>(x + m, params, wt, g0, gn, a);
+      for (int h = 0; h < kHalves; ++h) a[r][0][h] = vloadf(acc + (m + r) * kBlock + kLanes * h);
+    few_tile<R, 1, F, GS, HALF, MINS, F != kI8>(x + m, blk, cw, g0, gn, a);
     for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + (m + r) * kBlock + 8 * h, a[r][0][h]);
+      for (int h = 0; h < kHalves; ++h) vstoref(acc + (m + r) * kBlock + kLanes * h, a[r][0][h]);
   } else {
-    chunk_rows_u<R, F, GS>(x, m, steps, sstride, params, wt, g0, gn, acc);
+    chunk_rows_u<R, F, GS>(x, m, blk, cw, g0, gn, acc);
   }
 }
 
-// Rows per many-row tile: 4 x 2 sums in registers (u5's int32 sums between its runs too).
+// Rows per many-row tile: 4 x 2 sums in registers (u5's int32 sums between its runs too). With 512-bit
+// vectors 6 or 8 rows measured within noise of 4.
 constexpr int kTileRows = 4;
 
 // The last rest (< R) rows of a chunk as one smaller tile.
 template <int R, int F, int GS, bool HALF, bool MINS>
-void chunk_tail(const XRow* x, int64_t m, int64_t rest, const uint8_t* steps, int64_t sstride,
-                const uint8_t* params, const Weights& wt, int64_t g0, int64_t gn, float* acc) {
+void chunk_tail(const XRow* x, int64_t m, int64_t rest, const uint8_t* blk, const Weights& cw, int64_t g0,
+                int64_t gn, float* acc) {
   if constexpr (R > 0) {
-    if (rest == R) return chunk_rows<R, F, GS, HALF, MINS>(x, m, steps, sstride, params, wt, g0, gn, acc);
-    chunk_tail<R - 1, F, GS, HALF, MINS>(x, m, rest, steps, sstride, params, wt, g0, gn, acc);
+    if (rest == R) return chunk_rows<R, F, GS, HALF, MINS>(x, m, blk, cw, g0, gn, acc);
+    chunk_tail<R - 1, F, GS, HALF, MINS>(x, m, rest, blk, cw, g0, gn, acc);
   }
 }
 
 // 4 or more rows: threads split the blocks; each block is walked in chunks of kChunkSteps steps (u4 / u5
-// unpacked to bytes once per chunk: 4 KiB, in L1) against tiles of 4 rows (the last 1-3 rows a smaller
-// tile); float sums park in acc [M, 16] between chunks.
+// unpacked to bytes once per chunk, each group after a copy of its parameters: ~4 KiB, in L1) against
+// tiles of 4 rows (the last 1-3 rows a smaller tile); float sums park in acc [M, 16] between chunks.
 template <int F, int GS, bool HALF, bool MINS>
 void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t ldo, int64_t n) {
   constexpr int64_t chunk = kChunkSteps / GS;  // groups per chunk
+  const int64_t pb = wt.pbytes(), wbytes = pb + GS * 64;  // an unpacked group
   at::parallel_for(0, wt.nblocks, 1, [&](int64_t b0, int64_t b1) {
     std::unique_ptr<float[]> acc(new float[M * kBlock]);
-    std::unique_ptr<uint8_t[]> wide(F == kI8 ? nullptr : new uint8_t[kChunkSteps * 64]);
+    std::unique_ptr<uint8_t[]> wide(F == kI8 ? nullptr : new uint8_t[chunk * wbytes]);
     for (int64_t b = b0; b < b1; ++b) {
       std::fill(acc.get(), acc.get() + M * kBlock, 0.0f);
       for (int64_t c0 = 0; c0 < wt.groups; c0 += chunk) {
         const int64_t gn = std::min(chunk, wt.groups - c0);
-        const uint8_t* params = wt.w + b * wt.bstride() + c0 * wt.gbytes;
-        const uint8_t* steps = params + wt.pbytes();
-        int64_t sstride = wt.gbytes;
+        const uint8_t* blk = wt.w + b * wt.bstride() + c0 * wt.gbytes;
+        Weights cw = wt;
         if constexpr (F != kI8) {
-          for (int64_t g = 0; g < gn; ++g)
+          for (int64_t g = 0; g < gn; ++g) {
+            const uint8_t* src = blk + g * wt.gbytes;
+            uint8_t* dst = wide.get() + g * wbytes;
+            std::memcpy(dst, src, pb);
             for (int i = 0; i < GS; ++i) {
-              __m256i lo, hi;
-              unpack<F>(steps + g * wt.gbytes, i, lo, hi);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.get() + (g * GS + i) * 64), lo);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide.get() + (g * GS + i) * 64 + 32), hi);
+              VI v[kHalves];
+              unpack<F>(src + pb, i, v);
+              for (int h = 0; h < kHalves; ++h) vstore(dst + pb + 64 * i + 4 * kLanes * h, v[h]);
             }
-          steps = wide.get();
-          sstride = GS * 64;
+          }
+          blk = wide.get();
+          cw.gbytes = wbytes;
         }
         int64_t m = 0;
         for (; m + kTileRows <= M; m += kTileRows)
-          chunk_rows<kTileRows, F, GS, HALF, MINS>(x, m, steps, sstride, params, wt, c0, gn, acc.get());
-        chunk_tail<kTileRows - 1, F, GS, HALF, MINS>(x, m, M - m, steps, sstride, params, wt, c0, gn, acc.get());
+          chunk_rows<kTileRows, F, GS, HALF, MINS>(x, m, blk, cw, c0, gn, acc.get());
+        chunk_tail<kTileRows - 1, F, GS, HALF, MINS>(x, m, M - m, blk, cw, c0, gn, acc.get());
       }
       for (int64_t m = 0; m < M; ++m) {
-        const __m256 v[2] = {_mm256_loadu_ps(acc.get() + m * kBlock), _mm256_loadu_ps(acc.get() + m * kBlock + 8)};
+        VF v[kHalves];
+        for (int h = 0; h < kHalves; ++h) v[h] = vloadf(acc.get() + m * kBlock + kLanes * h);
         store_block(v, out + m * ldo, b * kBlock, n);
       }
     }
@@ -179,7 +187,7 @@ void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t
   if (M == 1) return few_rows<1, F, GS>(x, wt, out, n, n);
   if (M == 2) return few_rows<2, F, GS>(x, wt, out, n, n);
   if (M == 3) return few_rows<3, F, GS>(x, wt, out, n, n);
-  if constexpr (F == kI8)  // the u4 / u5 kernel reads its parameters' kind at run time
+  if constexpr (F == kI8 || kHalves == 1)  // the 256-bit u4 / u5 kernel reads its parameters at run time
     with_params(wt.pr, [&](auto half, auto mins) { many_rows<F, GS, half(), mins()>(x, M, wt, out, n, n); });
   else
     many_rows<F, GS, false, false>(x, M, wt, out, n, n);
