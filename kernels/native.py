@@ -4,10 +4,10 @@ Used by worker processes (and the preload daemon) on CPU devices. `load_native` 
 csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: 30-60 s on 2 cores, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
 flags (the build uses -march=native; $EMBER_CPU_MARCH names another target, e.g. haswell, to build
-and measure the 256-bit kernels on an AVX-512 machine), and registers torch.ops.ember.{gemm_bf16, gemm_fp8, qgemm,
-decode_attention, rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides once per process;
-$EMBER_CPU_KERNELS=torch turns the native ops off (the torch references then run everywhere), =native
-makes their absence an error.
+and measure the 256-bit kernels on an AVX-512 machine), and registers torch.ops.ember.{gemm_bf16,
+gemm_fp8, qgemm, decode_attention, rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides
+once per process; $EMBER_CPU_KERNELS=torch turns the native ops off (the torch references then run
+everywhere), =native makes their absence an error.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def build_dir() -> Path:
     key = hashlib.sha256()
     for source in (*SOURCES, *HEADERS):
         key.update(source.read_bytes())
-    key.update(f"|{torch.__version__}|{platform.machine()}|{' '.join(sorted(cpu_flags()))}|{march()}".encode())
+    flags = " ".join(sorted(cpu_flags()))
+    key.update(f"|{torch.__version__}|{platform.machine()}|{flags}|{march()}".encode())
     return base / key.hexdigest()[:16]
 
 
