@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tools import plot_peers
 from tools.peers.run_llamacpp import bench_command, parse_batched_bench, throughput
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +101,13 @@ def test_compare_peers_ember_and_transformers(tmp_path: Path) -> None:
         assert p["ember_over_peer"]["batch"] == pytest.approx(ember["batch_tps"] / p["batch_tps"])
     assert rows["ember"][8] == rows["ember"][9] == rows["ember"][10] == "1.00"
     assert float(rows["ember"][7]) >= float(rows["ember"][6])  # first token after ready
+
+    # the plot of this run: one bar per peer with figures (ember, transformers on the folder's dtype)
+    assert [name for name, _ in plot_peers.bars([out])] == ["ember bfloat16", "transformers bfloat16"]
+    png = tmp_path / "plot.png"
+    assert plot_peers.main([str(result_json), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert plot_peers.main([str(tmp_path / "missing.json"), "--out", str(png)]) == 2
 
 
 @pytest.mark.unit
