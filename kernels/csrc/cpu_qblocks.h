@@ -33,6 +33,7 @@ using VF = __m512;
 inline VI vbcast(int32_t v) { return _mm512_set1_epi32(v); }
 inline VI vzero() { return _mm512_setzero_si512(); }
 inline VI vsub(VI a, VI b) { return _mm512_sub_epi32(a, b); }
+inline VI vxor(VI a, VI b) { return _mm512_xor_si512(a, b); }
 inline VI vload(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline void vstore(uint8_t* p, VI v) { _mm512_storeu_si512(p, v); }
 inline VI vdpbusd(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
@@ -51,6 +52,7 @@ using VF = __m256;
 inline VI vbcast(int32_t v) { return _mm256_set1_epi32(v); }
 inline VI vzero() { return _mm256_setzero_si256(); }
 inline VI vsub(VI a, VI b) { return _mm256_sub_epi32(a, b); }
+inline VI vxor(VI a, VI b) { return _mm256_xor_si256(a, b); }
 inline VI vload(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline void vstore(uint8_t* p, VI v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))  // see EMBER_QVNNI
@@ -74,11 +76,13 @@ constexpr int kLanes = kBlock / kHalves;  // rows per vector
 #endif
 constexpr bool kVnni = EMBER_QVNNI;
 
-// One quantized activation row: q [Kp] int8, per 32 k its scale d and d * sum(q).
+// One quantized activation row: q [Kp] int8, per 32 k its scale d and d * sum(q); u: q + 128 as bytes
+// (q ^ 0x80, for the 512-bit i8 kernels; null elsewhere).
 struct XRow {
   const int8_t* q;
   const float* d;
   const float* s;
+  const uint8_t* u;
 };
 
 // How a group's integers become weights.

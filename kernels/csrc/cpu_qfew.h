@@ -76,9 +76,9 @@ void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, 
       constexpr int i = I;
       VI xb[R];
       for (int r = 0; r < R; ++r) {
-        uint32_t four;
-        std::memcpy(&four, x[r].q + 4 * (t + i), 4);
-        xb[r] = vbcast(static_cast<int32_t>(BIAS ? four ^ 0x80808080u : four));
+        int32_t four;
+        std::memcpy(&four, BIAS ? static_cast<const void*>(x[r].u + 4 * (t + i)) : x[r].q + 4 * (t + i), 4);
+        xb[r] = vbcast(four);
       }
       for (int j = 0; j < NB; ++j) {
         VI w[H];

@@ -125,7 +125,7 @@ void chunk_rows(const XRow* x, int64_t m, const uint8_t* blk, const Weights& cw,
 }
 
 // Rows per many-row tile: 4 x 2 sums in registers (u5's int32 sums between its runs too). With 512-bit
-// vectors 6 or 8 rows measured within noise of 4.
+// vectors 6 or 8 rows measured within noise of 4 (i8 too, where the bias is shared by the tile's rows).
 constexpr int kTileRows = 4;
 
 // The last rest (< R) rows of a chunk as one smaller tile.
@@ -227,8 +227,19 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
     quantize_rows(xc.const_data_ptr<c10::Half>(), M, K, Kp, xq.get(), xd.get(), xs);
   else
     quantize_rows(xc.const_data_ptr<float>(), M, K, Kp, xq.get(), xd.get(), xs);
+  std::unique_ptr<uint8_t[]> xu;
+  if (kHalves == 1 && fmt == kI8) {  // the 512-bit i8 kernels' unsigned activations
+    xu.reset(new uint8_t[M * Kp]);
+    const VI flip = vbcast(static_cast<int32_t>(0x80808080u));
+    const auto* q = reinterpret_cast<const uint8_t*>(xq.get());
+    at::parallel_for(0, M * Kp / 64, 64, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) vstore(xu.get() + 64 * i, vxor(vload(q + 64 * i), flip));
+    });
+    for (int64_t i = M * Kp / 64 * 64; i < M * Kp; ++i) xu[i] = static_cast<uint8_t>(xq[i] ^ 0x80);
+  }
   std::unique_ptr<XRow[]> rows(new XRow[M]);
-  for (int64_t m = 0; m < M; ++m) rows[m] = {xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng};
+  for (int64_t m = 0; m < M; ++m)
+    rows[m] = {xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng, xu ? xu.get() + m * Kp : nullptr};
   const Weights wt{packed.const_data_ptr<uint8_t>(), NBlk, packed.size(1), gbytes, pr};
   at::Tensor out = at::empty({M, n}, xc.options());
   float* o = dtype == at::kFloat ? out.mutable_data_ptr<float>() : obuf.get();
