@@ -3,7 +3,8 @@
 Usage: `python -m tools.plot_peers RUN.json [RUN.json ...] --out PLOT.png [--title TITLE]`. Each file is
 one run of compare_peers (say the Q4_K_M file's and the Q8_0 file's); every peer with figures becomes a
 bar labelled with its name and the run's weights (the GGUF file's quantization, or the folder's dtype),
-in three panels: batch-N output tok/s, batch-1 decode tok/s and prefill tok/s, each bar with its value.
+in three panels: batch-N output tok/s, batch-1 output tok/s (end to end: every peer reports it) and
+prefill tok/s (n/a where a peer does not report it), each bar with its value.
 matplotlib (the `bench` extra) draws it.
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 
 PANELS = (
     ("batch_tps", "batch-{n} output tok/s"),
-    ("decode", "batch-1 decode tok/s"),
+    ("single_tps", "batch-1 output tok/s (end to end)"),
     ("prefill", "prefill-{p} tok/s"),
 )
 NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM-CPU"}
@@ -53,7 +54,7 @@ def bars(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, float | None]]
                     name,
                     {
                         "batch_tps": peer["batch_tps"],
-                        "decode": detail.get("single_decode_tps"),
+                        "single_tps": peer["single_tps"],
                         "prefill": detail.get("prefill_tps"),
                     },
                 )
@@ -74,15 +75,15 @@ def write_plot(runs: list[dict[str, Any]], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 0.45 * len(rows) + 1.6))
     colors = plt.get_cmap("tab10").colors
     for ax, (key, head) in zip(axes, PANELS):
-        values = [figs[key] or 0.0 for _, figs in rows]
+        values = [figs[key] for _, figs in rows]
         ys = range(len(rows))
-        ax.barh(list(ys), values, color=[colors[i % len(colors)] for i in ys])
+        ax.barh(list(ys), [v or 0.0 for v in values], color=[colors[i % len(colors)] for i in ys])
         ax.set_yticks(list(ys), [name for name, _ in rows] if ax is axes[0] else [""] * len(rows))
         ax.invert_yaxis()
         ax.set_title(head.format(n=n, p=p))
-        for y, v in zip(ys, values):
-            ax.text(v, y, f" {v:.1f}", va="center", fontsize=8)
-        ax.set_xlim(0, max(values) * 1.25 or 1.0)
+        for y, v in zip(ys, values):  # a peer that does not report the figure: n/a, no bar
+            ax.text(v or 0.0, y, f" {v:.1f}" if v else " n/a", va="center", fontsize=8)
+        ax.set_xlim(0, max(v or 0.0 for v in values) * 1.25 or 1.0)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
