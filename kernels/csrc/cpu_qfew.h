@@ -66,7 +66,7 @@ void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, 
     const uint8_t* pg = blk + g * wt.gbytes;
     const uint8_t* gw = pg + pb;
     const int64_t t = (g0 + g) * GS, xg = t / (kXGroup / 4);
-    if constexpr (F == kU5)  // u5 is slow enough per byte that the next groups must be asked for early
+    if constexpr (F == kU5 && !BYTES)  // u5 is slow enough per byte that the next groups must be asked for early
       for (int64_t o = 0; o < wt.gbytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + o) + kAhead, _MM_HINT_T0);
     VI is[R][NB][H], bias[NB][H];
 #if !EMBER_QVNNI
