@@ -4,8 +4,9 @@ Every format (i8 with groups of 32 and 16, i8, u4 and u5 with zero points or off
 its packed layout exactly; the native op quantizes activations exactly as the torch reference does and
 equals the reference (quantized activations @ dequantized weight) within float32 summation order over
 every row-count path (1-3 rows against multi-block tiles, 4-row tiles and their 1-3 row tails, more
-than one 256-k chunk), odd input sizes (padded to 32) and ragged output blocks; rows are
-bit-identical whatever the batch; the int8 / int4 methods pack for it under the cpu_bf16 kernel.
+than one 256-k chunk; with 512-bit vectors, 16+ rows over two blocks and an odd last one), odd input
+sizes (padded to 32) and ragged output blocks; rows are bit-identical whatever the batch; the int8 /
+int4 methods pack for it under the cpu_bf16 kernel.
 Run: `pytest -q tests/kernel_ops/test_qgemm.py` (the first run builds the ops, under a minute).
 """
 
@@ -78,7 +79,7 @@ def test_activations_are_quantized_like_the_reference(native_ops) -> None:
 @pytest.mark.parametrize(
     "fmt", FORMATS, ids=lambda f: f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}-h{int(f.half)}"
 )
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 11, 13, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 11, 13, 18, 40])
 @pytest.mark.parametrize(("n", "k"), [(17, 64), (70, 100), (200, 32), (33, 608)])
 def test_qgemm_matches_reference(native_ops, fmt: QFormat, m: int, n: int, k: int) -> None:
     packed, dense, _ = random_weight(fmt, n, k, m * 1000 + n + k)
