@@ -5,7 +5,9 @@ parameters per row and group of G k (32; 16 for i8): `QFormat` names how they ar
 bytes; u4 / u5: unsigned 4 / 5 bits) and what turns them into weights (w = (q - zero) * scale, or
 q * scale + offset). `pack_qweight` lays them out for `torch.ops.ember.qgemm` (csrc/cpu_qgemm.cpp):
 blocks of 16 rows, each a sequence of groups (the group's parameters, then its steps of 4 k), K
-padded to a multiple of 32. The op quantizes each activation row
+padded to a multiple of 32. The K-quants keep their own compact parameters (`superblock`): per 256 k a
+float32 d (and -dmin) per row, then each group's signed-byte sub-scales (and sub-mins) before its
+steps, so a Q4_K weight streams 4.75 bits per weight instead of 6. The op quantizes each activation row
 per 32 k to int8 first (`quantize_activations`, as GGUF's Q8_0 does); `qgemm_torch` is its reference
 (the same quantization, then a float32 matmul with the dequantized weight).
 """
@@ -20,6 +22,7 @@ from kernels.native import use_native
 
 BLOCK = 16
 XGROUP = 32  # k per activation scale
+SUPER = 256  # k per superblock
 KINDS = ("i8", "u4", "u5")
 STEP_BYTES = {"i8": 64, "u4": 32, "u5": 40}
 
@@ -33,10 +36,26 @@ class QFormat:
     zero: int = 0  # w = (q - zero) * scale
     offsets: bool = False  # w = q * scale + offset instead
     half: bool = False  # parameters stored as float16 (where they are float16 values: GGUF's)
+    superblock: bool = False  # int8 sub-parameters times a float32 per row and 256 k (the K-quants')
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"unknown packed kind {self.kind!r}"
         assert self.group == 32 or (self.group == 16 and self.kind == "i8" and not self.mins), "bad group"
+        assert not (self.superblock and (self.half or self.zero)), "superblocks: float32 d, no zero point"
+
+    @property
+    def params(self) -> int:
+        """The op's parameter mode: 0 float32, 1 float16, 2 superblocks."""
+        return 2 if self.superblock else int(self.half)
+
+    @property
+    def subs(self) -> int:
+        """Groups per packed unit along k (a superblock's, or 1)."""
+        return SUPER // self.group if self.superblock else 1
+
+    def flat(self) -> QFormat:
+        """The same weights with float32 parameters per group."""
+        return QFormat(self.kind, self.group, self.zero, self.offsets)
 
     @property
     def mins(self) -> bool:
@@ -49,6 +68,7 @@ class QFormat:
             "zero": self.zero,
             "offsets": self.offsets,
             "half": self.half,
+            "superblock": self.superblock,
         }
 
 
@@ -56,30 +76,55 @@ def padded_k(k: int) -> int:
     return -(-k // XGROUP) * XGROUP
 
 
+def param_count(fmt: QFormat) -> int:
+    return 2 if fmt.offsets else 1
+
+
 def group_bytes(fmt: QFormat) -> int:
-    """Bytes per block and group: the parameters (16 scales, and 16 offsets), then the steps."""
-    return (2 if fmt.offsets else 1) * BLOCK * (2 if fmt.half else 4) + fmt.group // 4 * STEP_BYTES[fmt.kind]
+    """Bytes per block and packed unit: a group's parameters (16 scales, and 16 offsets; float32,
+    float16 or int8 sub-parameters) and its steps; a superblock's 16 d (and 16 -dmin) first."""
+    size = 1 if fmt.superblock else 2 if fmt.half else 4
+    group = param_count(fmt) * BLOCK * size + fmt.group // 4 * STEP_BYTES[fmt.kind]
+    return fmt.superblock * param_count(fmt) * BLOCK * 4 + fmt.subs * group
 
 
 def pack_qweight(
-    q: torch.Tensor, scales: torch.Tensor, fmt: QFormat, offsets: torch.Tensor | None = None
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: QFormat,
+    offsets: torch.Tensor | None = None,
+    supers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Integers q [N, K] (int8 for i8, uint8 in 0..15 / 0..31 for u4 / u5) with scales [N, ceil(K / G)]
-    (and offsets, same shape, when fmt.offsets) -> uint8 [NB, Kp / G, group_bytes]: per block of 16 rows and
+    (and offsets, same shape, when fmt.offsets) -> uint8 [NB, units, group_bytes]: per block of 16 rows and
     group, the rows' scales (then offsets) as float32 (float16 with fmt.half), then the group's steps of
-    4 k. Padding is 0. The native op where it runs (every packed layer at load), else `pack_qweight_torch`."""
+    4 k. With fmt.superblock (K a multiple of 256) the scales and offsets are int8 sub-parameters and
+    supers float32 [N, K / 256, 1 or 2] (d, and -dmin with offsets): a unit is a superblock, 16 d (16
+    -dmin), then its groups with int8 parameters. Padding is 0. The native op where it runs (every
+    packed layer at load), else `pack_qweight_torch`."""
     assert (offsets is not None) == fmt.offsets, "offsets exactly when the format has them"
+    assert (supers is not None) == fmt.superblock, "supers exactly for superblock formats"
     if q.device.type == "cpu" and use_native(q.device):
         none = torch.empty(0, dtype=torch.float32)
         kind = KINDS.index(fmt.kind)
         return torch.ops.ember.qpack(
-            q, scales, none if offsets is None else offsets, kind, fmt.group, fmt.half
+            q,
+            scales,
+            none if offsets is None else offsets,
+            none if supers is None else supers,
+            kind,
+            fmt.group,
+            fmt.params,
         )
-    return pack_qweight_torch(q, scales, fmt, offsets)
+    return pack_qweight_torch(q, scales, fmt, offsets, supers)
 
 
 def pack_qweight_torch(
-    q: torch.Tensor, scales: torch.Tensor, fmt: QFormat, offsets: torch.Tensor | None = None
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: QFormat,
+    offsets: torch.Tensor | None = None,
+    supers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference of `pack_qweight`."""
     n, k = q.shape
@@ -104,18 +149,40 @@ def pack_qweight_torch(
                 planes |= bits[:, :, i] << i
             data = torch.cat((data, planes), dim=2)
     per = [scales] + ([offsets] if offsets is not None else [])
-    params = torch.zeros(len(per), nb * BLOCK, groups, dtype=torch.float16 if fmt.half else torch.float32)
+    dtype = torch.int8 if fmt.superblock else torch.float16 if fmt.half else torch.float32
+    params = torch.zeros(len(per), nb * BLOCK, groups, dtype=dtype)
     for i, p in enumerate(per):
         params[i, :n, : p.shape[1]] = p.to(params.dtype)
     # [P, NB, 16, G] -> [NB, G, P, 16] -> bytes
     params = params.view(len(per), nb, BLOCK, groups).permute(1, 3, 0, 2).contiguous()
-    return torch.cat((params.view(torch.uint8).reshape(nb, groups, -1), data), dim=2).contiguous()
+    grouped = torch.cat((params.view(torch.uint8).reshape(nb, groups, -1), data), dim=2)
+    if not fmt.superblock:
+        return grouped.contiguous()
+    assert supers is not None and k % SUPER == 0, "superblocks: K a multiple of 256, and their parameters"
+    units = k // SUPER
+    head = torch.zeros(nb * BLOCK, units, len(per), dtype=torch.float32)
+    head[:n] = supers
+    # [NB, 16, U, P] -> [NB, U, P, 16] -> bytes, then each unit's groups
+    head = head.view(nb, BLOCK, units, len(per)).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    body = grouped.reshape(nb, units, -1)
+    return torch.cat((head.reshape(nb, units, -1), body), dim=2).contiguous()
 
 
 def unpack_qweight(packed: torch.Tensor, fmt: QFormat, n: int, k: int) -> torch.Tensor:
     """The float32 [n, k] weight of `pack_qweight`'s layout."""
-    nb, groups, _ = packed.shape
-    kp, steps, count = groups * fmt.group, groups * fmt.group // 4, 2 if fmt.offsets else 1
+    nb, units, _ = packed.shape
+    count = param_count(fmt)
+    if fmt.superblock:  # d (and -dmin) times each group's int8 sub-parameters, as float32 per group
+        head = count * BLOCK * 4
+        sup = packed[..., :head].contiguous().view(torch.float32).view(nb, units, count, BLOCK)
+        body = packed[..., head:].reshape(nb, units * fmt.subs, -1)
+        sub = body[..., : count * BLOCK].contiguous().view(torch.int8).float()
+        sub = sub.view(nb, units, fmt.subs, count, BLOCK) * sup.unsqueeze(2)
+        flat = fmt.flat()
+        params = sub.reshape(nb, units * fmt.subs, count * BLOCK).contiguous().view(torch.uint8)
+        return unpack_qweight(torch.cat((params, body[..., count * BLOCK :]), dim=2), flat, n, k)
+    groups = units
+    kp, steps = groups * fmt.group, groups * fmt.group // 4
     dtype = torch.float16 if fmt.half else torch.float32
     head = count * BLOCK * dtype.itemsize
     per = packed[..., :head].contiguous().view(dtype).float().view(nb, groups, count, BLOCK)
@@ -162,5 +229,5 @@ def qgemm(x: torch.Tensor, packed: torch.Tensor, fmt: QFormat, n: int) -> torch.
     lead = x.shape[:-1]
     kind = KINDS.index(fmt.kind)
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.ops.ember.qgemm(x2, packed, kind, fmt.group, fmt.zero, fmt.offsets, fmt.half, n)
+    y = torch.ops.ember.qgemm(x2, packed, kind, fmt.group, fmt.zero, fmt.offsets, fmt.params, n)
     return y.view(*lead, n)

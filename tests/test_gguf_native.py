@@ -49,8 +49,19 @@ def test_repack_stands_for_the_reference_dequantization(qtype: int) -> None:
     raw = random_blocks(qtype, n, k)
     part = repack(raw, qtype, (n, k))
     assert part.q.shape == (n, k) and part.scales.shape == (n, k // part.fmt.group)
-    packed = pack_qweight(part.q, part.scales, part.fmt, part.offsets)
-    assert torch.equal(unpack_qweight(packed, part.fmt, n, k), dequantize(raw, qtype, (n, k)))
+    assert (part.supers is not None) == part.fmt.superblock == (block_size(qtype) == 256)
+    assert torch.equal(unpack_qweight(part.pack(), part.fmt, n, k), dequantize(raw, qtype, (n, k)))
+    flat = part.flat()  # float32 parameters per group (a slice that cuts a superblock)
+    assert torch.equal(unpack_qweight(flat.pack(), flat.fmt, n, k), dequantize(raw, qtype, (n, k)))
+    if part.fmt.superblock:
+        assert part.pack().numel() < flat.pack().numel()
+        cut = part.narrow_cols(32, k - 32)
+        assert not cut.fmt.superblock
+        assert torch.equal(cut.dequantize(), dequantize(raw, qtype, (n, k))[:, 32:])
+
+
+def block_size(qtype: int) -> int:
+    return GGML_QUANT_SIZES[T(qtype)][0]
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +84,12 @@ def test_native_load_time_ops_equal_the_torch_ones(native_ops, qtype: int, n: in
     raw = random_blocks(qtype, n, k)
     native, ref = repack(raw, qtype, (n, k)), repack_torch(raw, qtype, (n, k))
     assert native.fmt == ref.fmt and torch.equal(native.q, ref.q) and native.q.dtype == ref.q.dtype
-    assert torch.equal(native.scales, ref.scales)
-    assert (native.offsets is None) == (ref.offsets is None)
-    if ref.offsets is not None:
-        assert torch.equal(native.offsets, ref.offsets)
-    packed = pack_qweight(native.q, native.scales, native.fmt, native.offsets)
-    assert torch.equal(packed, pack_qweight_torch(ref.q, ref.scales, ref.fmt, ref.offsets))
+    for name in ("scales", "offsets", "supers"):
+        got, want = getattr(native, name), getattr(ref, name)
+        assert (got is None) == (want is None)
+        assert got is None or (got.dtype == want.dtype and torch.equal(got, want)), name
+    packed = native.pack()
+    assert torch.equal(packed, pack_qweight_torch(ref.q, ref.scales, ref.fmt, ref.offsets, ref.supers))
 
 
 @pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
@@ -163,7 +174,7 @@ def unpacked(module) -> torch.Tensor:
     for s in attrs["segments"]:
         size = s["shape"][0] * s["shape"][1] * s["shape"][2]
         packed = module.weight.narrow(0, s["offset"], size).view(*s["shape"])
-        fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"], s["half"])
+        fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"], s["half"], s["superblock"])
         rows.append(unpack_qweight(packed, fmt, s["rows"], attrs["in_features"]))
     return torch.cat(rows)
 

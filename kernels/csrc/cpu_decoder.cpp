@@ -24,7 +24,7 @@ namespace {
 
 // Segment kinds in a linear's spec: packed bf16, fp8 (with its per-tensor scale), or a qgemm format.
 constexpr int64_t kSegBf16 = -1, kSegFp8 = -2;
-constexpr int64_t kSegInts = 6;  // per segment: kind, group, zero, offsets, half, rows
+constexpr int64_t kSegInts = 6;  // per segment: kind, group, zero, offsets, params, rows
 
 // Linear i of the layer, as its method applies it: each segment's matmul (qgemm kinds 0..2, bf16, fp8),
 // concatenated when there are several, then the bias when it has one. `specs` per linear: the segment
@@ -45,7 +45,7 @@ struct Linears {
       else if (kind == kSegFp8)
         outs.push_back(gemm_fp8(x, packed, scales[i], rows));
       else
-        outs.push_back(qgemm(x, packed, kind, specs[s + 1], specs[s + 2], specs[s + 3] != 0, specs[s + 4] != 0, rows));
+        outs.push_back(qgemm(x, packed, kind, specs[s + 1], specs[s + 2], specs[s + 3] != 0, specs[s + 4], rows));
     }
     at::Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
     return biases[i].numel() ? at::add(y, biases[i]) : y;

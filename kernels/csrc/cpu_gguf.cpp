@@ -33,6 +33,7 @@ inline float f16(const uint8_t* p) {
 struct TypeInfo {
   int block, bytes, group;  // weights and bytes per block, weights per group of parameters
   bool offsets;
+  bool super() const { return block == 256; }  // the K-quants: sub-scales (and mins) times d (and -dmin)
 };
 
 TypeInfo type_info(int64_t t) {
@@ -60,8 +61,10 @@ inline void k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-// One block at b -> its weights' integers q[0 .. block) and parameters sc / of [block / group].
-void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of) {
+// One block at b -> its weights' integers q[0 .. block) and parameters: sc / of [block / group], or for the
+// K-quants the sub-scales ss (and sub-mins sm) [block / group] and the superblock's d (and -dmin) in sup.
+void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of, int8_t* ss, int8_t* sm,
+                  float* sup) {
   switch (t) {
     case kQ8_0:
       sc[0] = f16(b);
@@ -91,15 +94,16 @@ void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of)
     }
     case kQ4_K:
     case kQ5_K: {
-      const float d = f16(b), dmin = f16(b + 2);
+      sup[0] = f16(b);
+      sup[1] = -f16(b + 2);
       const uint8_t* scales = b + 4;
       const uint8_t* qh = b + 16;  // Q5_K only
       const uint8_t* qs = b + (t == kQ4_K ? 16 : 48);
       for (int j = 0; j < 8; ++j) {
         int s, m;
         k_scale_min(scales, j, s, m);
-        sc[j] = d * static_cast<float>(s);
-        of[j] = -(dmin * static_cast<float>(m));
+        ss[j] = static_cast<int8_t>(s);
+        sm[j] = static_cast<int8_t>(m);
         const uint8_t* src = qs + 32 * (j / 2);
         for (int w = 0; w < 32; ++w) {
           uint8_t v = j % 2 ? src[w] >> 4 : src[w] & 0x0F;
@@ -111,9 +115,8 @@ void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of)
     }
     case kQ6_K: {
       const uint8_t *ql = b, *qh = b + 128;
-      const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
-      const float d = f16(b + 208);
-      for (int j = 0; j < 16; ++j) sc[j] = d * static_cast<float>(scales[j]);
+      std::memcpy(ss, b + 192, 16);
+      sup[0] = f16(b + 208);
       // weight i of the block: half c = i / 128; within it, quarter s = (i % 128) / 32, lane w = i % 32
       for (int i = 0; i < 256; ++i) {
         const int c = i / 128, s = (i % 128) / 32, w = i % 32;
@@ -131,53 +134,76 @@ void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of)
 
 // raw: the tensor's stored bytes (uint8, n * k / block * bytes), type: its GGUF type id, [n, k] its
 // shape. Returns q [n, k] (int8 for Q8_0 / Q6_K, else uint8), scales [n, k / group] and offsets (same,
-// or empty for types without) as float32.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_decode(const at::Tensor& raw, int64_t type, int64_t n,
-                                                          int64_t k) {
+// or empty for types without), and the superblocks' parameters: for the 32-wide types float32 scales and
+// offsets and an empty last tensor; for the K-quants int8 sub-scales and sub-mins and float32
+// [n, k / 256, 2] (d, -dmin; Q6_K: [n, k / 256, 1], d).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_decode(const at::Tensor& raw, int64_t type,
+                                                                      int64_t n, int64_t k) {
   const TypeInfo ti = type_info(type);
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte, "gguf_decode: uint8 CPU bytes");
   TORCH_CHECK(k % ti.block == 0 && raw.numel() == n * (k / ti.block) * ti.bytes, "gguf_decode: whole blocks");
   const at::Tensor rc = raw.contiguous();
   const bool signed_q = type == kQ8_0 || type == kQ6_K;
   const auto opts = at::TensorOptions().device(at::kCPU);
+  const auto pdtype = ti.super() ? at::kChar : at::kFloat;
   at::Tensor q = at::empty({n, k}, opts.dtype(signed_q ? at::kChar : at::kByte));
-  at::Tensor scales = at::empty({n, k / ti.group}, opts.dtype(at::kFloat));
-  at::Tensor offsets = at::empty({ti.offsets ? n : 0, k / ti.group}, opts.dtype(at::kFloat));
+  at::Tensor scales = at::empty({n, k / ti.group}, opts.dtype(pdtype));
+  at::Tensor offsets = at::empty({ti.offsets ? n : 0, k / ti.group}, opts.dtype(pdtype));
+  at::Tensor supers = at::empty({ti.super() ? n : 0, k / 256, ti.offsets ? 2 : 1}, opts.dtype(at::kFloat));
   const uint8_t* src = rc.const_data_ptr<uint8_t>();
   auto* qp = static_cast<uint8_t*>(q.mutable_data_ptr());
-  float *sp = scales.mutable_data_ptr<float>(), *op = offsets.mutable_data_ptr<float>();
-  const int64_t per_row = k / ti.block, params = ti.block / ti.group;
+  auto* sp = static_cast<uint8_t*>(scales.mutable_data_ptr());
+  auto* op = static_cast<uint8_t*>(offsets.mutable_data_ptr());
+  float* up = supers.mutable_data_ptr<float>();
+  const int64_t per_row = k / ti.block, params = ti.block / ti.group, psize = ti.super() ? 1 : 4;
   at::parallel_for(0, n * per_row, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk)
-      decode_block(type, src + blk * ti.bytes, qp + blk * ti.block, sp + blk * params,
-                   ti.offsets ? op + blk * params : nullptr);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      uint8_t* s = sp + blk * params * psize;
+      uint8_t* o = ti.offsets ? op + blk * params * psize : nullptr;
+      decode_block(type, src + blk * ti.bytes, qp + blk * ti.block, reinterpret_cast<float*>(s),
+                   reinterpret_cast<float*>(o), reinterpret_cast<int8_t*>(s), reinterpret_cast<int8_t*>(o),
+                   ti.super() ? up + blk * (ti.offsets ? 2 : 1) : nullptr);
+    }
   });
-  return {q, scales, offsets};
+  return {q, scales, offsets, supers};
 }
 
-// q [N, K] (int8 or uint8: i8 bytes, or u4 / u5 values), scales [N, ceil(K / group)] float32, offsets
-// the same or empty; kind 0 i8 / 1 u4 / 2 u5; half: parameters as float16. The layout of
-// kernels/qgemm.pack_qweight: uint8 [NB, Kp / group, group bytes], zero past N and K.
-at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, int64_t kind,
-                 int64_t group, bool half) {
+// q [N, K] (int8 or uint8: i8 bytes, or u4 / u5 values), scales [N, ceil(K / group)] and offsets (the same
+// or empty); kind 0 i8 / 1 u4 / 2 u5; params 0 / 1: scales and offsets float32, stored as float32 / float16;
+// 2: int8 sub-scales and sub-mins, with supers float32 [N, K / 256, 1 or 2] (d, -dmin). The layout of
+// kernels/qgemm.pack_qweight: uint8 [NB, units, unit bytes], zero past N and K.
+at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& supers,
+                 int64_t kind, int64_t group, int64_t params) {
   TORCH_CHECK(q.dim() == 2 && q.device().is_cpu() && q.element_size() == 1, "qpack: q is [N, K] bytes");
   TORCH_CHECK(kind >= 0 && kind <= 2 && (group == 32 || (group == 16 && kind == 0)), "qpack: bad format");
+  TORCH_CHECK(params >= 0 && params <= 2, "qpack: params must be 0, 1 or 2");
+  const bool sup = params == 2;
   const int64_t N = q.size(0), K = q.size(1), Kp = (K + 31) / 32 * 32, NB = (N + 15) / 16;
   const int64_t groups = Kp / group, G = scales.size(1), steps = group / 4;
   const bool has_off = offsets.numel() > 0;
+  const int64_t P = has_off ? 2 : 1, subs = sup ? 256 / group : 1, units = groups / subs;
   TORCH_CHECK(scales.size(0) == N && G == (K + group - 1) / group, "qpack: one scale per row and group");
   TORCH_CHECK(!has_off || offsets.sizes() == scales.sizes(), "qpack: offsets shaped as the scales");
-  const int64_t psize = half ? 2 : 4, pbytes = (has_off ? 2 : 1) * 16 * psize;
+  TORCH_CHECK(!sup || (K % 256 == 0 && scales.scalar_type() == at::kChar &&
+                       (!has_off || offsets.scalar_type() == at::kChar) &&
+                       supers.sizes() == at::IntArrayRef({N, K / 256, P}) && supers.scalar_type() == at::kFloat),
+              "qpack: superblocks need K a multiple of 256, int8 sub-parameters and float32 [N, K / 256, P]");
+  const int64_t psize = params == 0 ? 4 : params == 1 ? 2 : 1, pbytes = P * 16 * psize;
   const int64_t step_bytes = kind == 0 ? 64 : 32, data = steps * step_bytes + (kind == 2 ? 64 : 0);
-  const int64_t gbytes = pbytes + data;
-  const at::Tensor qc = q.contiguous(), sc = scales.contiguous().to(at::kFloat);
-  const at::Tensor oc = has_off ? offsets.contiguous().to(at::kFloat) : offsets;
-  at::Tensor out = at::zeros({NB, groups, gbytes}, q.options().dtype(at::kByte));
+  const int64_t sbytes = sup ? P * 64 : 0, gstride = pbytes + data, ubytes = sbytes + subs * gstride;
+  const at::Tensor qc = q.contiguous(), sc = sup ? scales.contiguous() : scales.contiguous().to(at::kFloat);
+  const at::Tensor oc = has_off ? (sup ? offsets.contiguous() : offsets.contiguous().to(at::kFloat)) : offsets;
+  const at::Tensor uc = supers.contiguous();
+  at::Tensor out = at::zeros({NB, units, ubytes}, q.options().dtype(at::kByte));
   const auto* qp = static_cast<const uint8_t*>(qc.const_data_ptr());
-  const float *sp = sc.const_data_ptr<float>(), *op = has_off ? oc.const_data_ptr<float>() : nullptr;
+  const float *sp = sup ? nullptr : sc.const_data_ptr<float>();
+  const float *op = has_off && !sup ? oc.const_data_ptr<float>() : nullptr;
+  const auto* ss = sup ? static_cast<const uint8_t*>(sc.const_data_ptr()) : nullptr;
+  const auto* sm = sup && has_off ? static_cast<const uint8_t*>(oc.const_data_ptr()) : nullptr;
+  const float* up = sup ? uc.const_data_ptr<float>() : nullptr;
   uint8_t* dst = out.mutable_data_ptr<uint8_t>();
   auto put = [&](uint8_t* p, float v) {
-    if (half) {
+    if (params == 1) {
       const uint16_t bits = c10::Half(v).x;
       std::memcpy(p, &bits, 2);
     } else {
@@ -195,8 +221,14 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor
         std::fill(row_buf.begin() + K, row_buf.end(), 0);
         const int h = r / 8, i = r % 8;
         for (int64_t g = 0; g < groups; ++g) {
-          uint8_t* o = dst + (b * groups + g) * gbytes;
-          if (g < G) {
+          uint8_t* head = dst + (b * units + g / subs) * ubytes;
+          uint8_t* o = head + sbytes + (g % subs) * gstride;
+          if (sup) {
+            o[r] = ss[row * G + g];
+            if (has_off) o[16 + r] = sm[row * G + g];
+            if (g % subs == 0)
+              for (int64_t p = 0; p < P; ++p) std::memcpy(head + 64 * p + 4 * r, up + (row * units + g / subs) * P + p, 4);
+          } else if (g < G) {
             put(o + r * psize, sp[row * G + g]);
             if (has_off) put(o + (16 + r) * psize, op[row * G + g]);
           }
@@ -227,6 +259,7 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor
 }
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
-  m.def("gguf_decode(Tensor raw, int type, int n, int k) -> (Tensor, Tensor, Tensor)", gguf_decode);
-  m.def("qpack(Tensor q, Tensor scales, Tensor offsets, int kind, int group, bool half) -> Tensor", qpack);
+  m.def("gguf_decode(Tensor raw, int type, int n, int k) -> (Tensor, Tensor, Tensor, Tensor)", gguf_decode);
+  m.def("qpack(Tensor q, Tensor scales, Tensor offsets, Tensor supers, int kind, int group, int params) -> Tensor",
+        qpack);
 }

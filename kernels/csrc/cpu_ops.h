@@ -9,7 +9,7 @@
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n);
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
-                 bool offsets, bool half, int64_t n);
+                 bool offsets, int64_t params, int64_t n);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void rotary_(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
              const at::Tensor& sin, int64_t rotary_dim);

@@ -20,6 +20,7 @@ namespace qblocks {
 constexpr int kBlock = 16;          // output rows per block
 constexpr int64_t kXGroup = 32;     // k per activation scale
 constexpr int64_t kChunkSteps = 64;  // steps (256 k) of a block unpacked at once for many rows: 4 KiB, in L1
+constexpr int64_t kSuperSteps = 64;  // steps (256 k) of a superblock (kSuper parameters)
 enum QFmt { kI8 = 0, kU4 = 1, kU5 = 2 };
 constexpr int64_t step_bytes(int F) { return F == kU4 ? 32 : F == kU5 ? 40 : 64; }
 
@@ -45,6 +46,7 @@ inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF vloadf(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstoref(float* p, VF v) { _mm512_storeu_ps(p, v); }
 inline VF vhalf(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VF vsbyte(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 #else
 constexpr int kHalves = 2;
 using VI = __m256i;
@@ -66,6 +68,7 @@ inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VF vloadf(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstoref(float* p, VF v) { _mm256_storeu_ps(p, v); }
 inline VF vhalf(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VF vsbyte(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 #endif
 constexpr int kLanes = kBlock / kHalves;  // rows per vector
 
@@ -85,22 +88,32 @@ struct XRow {
   const uint8_t* u;
 };
 
+// Where a group's parameters are: float32 or float16 values before its steps, or (kSuper, the K-quants'
+// own form) signed bytes there, which a float32 per row and superblock of 256 k multiplies (its d, and for
+// minimums its -dmin): scale = d * sub-scale, offset = -dmin * sub-min, exact in float32.
+enum PMode { kF32 = 0, kF16 = 1, kSuper = 2 };
+
 // How a group's integers become weights.
 struct Params {
   int zero;      // w = (q - zero) * scale (when there are no offsets)
   bool offsets;  // w = q * scale + offset
-  bool half;     // parameters stored as float16 (GGUF's own scales and mins, exactly)
+  int mode;      // PMode
   bool mins() const { return offsets || zero != 0; }
 };
 
-// A packed weight: blocks of 16 rows, each `groups` groups of G k stored as [16 scales (, 16 offsets)]
-// [the group's steps], so that a block is one sequential stream.
+// A packed weight: blocks of 16 rows, each `groups` units along k, so that a block is one sequential
+// stream. A unit is a group of G k, [16 scales (, 16 offsets)][its steps]; with kSuper a superblock of
+// 256 k, [16 d][16 -dmin (with offsets)] then its groups, [16 sub-scales (, 16 sub-mins)][steps] each.
 struct Weights {
   const uint8_t* w;
-  int64_t nblocks, groups, gbytes;
+  int64_t nblocks, groups, gbytes;  // units per block, bytes per unit
   Params pr;
-  int64_t pbytes() const { return (pr.offsets ? 2 : 1) * kBlock * (pr.half ? 2 : 4); }
+  int64_t subs = 1;  // groups of G k per unit
+  int64_t pbytes() const { return (pr.offsets ? 2 : 1) * kBlock * (pr.mode == kF32 ? 4 : pr.mode == kF16 ? 2 : 1); }
+  int64_t sbytes() const { return pr.mode == kSuper ? (pr.offsets ? 2 : 1) * kBlock * 4 : 0; }  // superblock head
   int64_t bstride() const { return groups * gbytes; }
+  int64_t kgroups() const { return groups * subs; }
+  int64_t gstride() const { return (gbytes - sbytes()) / subs; }  // one group's bytes
 };
 
 // x rows (T = float, bf16 or half) -> int8 per 32 k, zero past K up to Kp.

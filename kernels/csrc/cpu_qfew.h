@@ -37,11 +37,44 @@ inline __attribute__((always_inline)) void unrolled(Fn&& f) {
   }(std::make_integer_sequence<int, N>{});
 }
 
-// Parameters i .. i + kLanes (of 16 scales, then 16 offsets) of a group.
+// Parameters i .. i + kLanes (of 16 scales, then 16 offsets) of a group stored as float32 / float16.
 template <bool HALF>
 inline VF vparam(const uint8_t* pg, int i) {
   if constexpr (HALF) return vhalf(pg + 2 * i);
   return vloadf(reinterpret_cast<const float*>(pg) + i);
+}
+
+// The group of G = 4 GS k that is tile group g of a block whose tile starts at blk (a unit's start): where
+// its parameters are, and with kSuper its superblock's head.
+template <int PM, int GS>
+struct GroupAt {
+  const uint8_t* params;
+  const uint8_t* head;
+  GroupAt(const uint8_t* blk, const Weights& wt, int64_t g) {
+    if constexpr (PM == kSuper) {
+      constexpr int64_t subs = kSuperSteps / GS;
+      head = blk + (g / subs) * wt.gbytes;
+      params = head + wt.sbytes() + (g % subs) * wt.gstride();
+    } else {
+      head = params = blk + g * wt.gbytes;
+    }
+  }
+};
+
+// Lanes h of a group's scales and offsets (pg: its parameters, head: its superblock's; zero: -zero as a
+// vector, for formats with a zero point instead of offsets).
+template <int PM, bool MINS>
+inline void group_params(const uint8_t* pg, const uint8_t* head, const Params& pr, int h, VF zero, VF& scale,
+                         VF& off) {
+  const int i = kLanes * h;
+  if constexpr (PM == kSuper) {
+    const float* d = reinterpret_cast<const float*>(head);
+    scale = vmul(vloadf(d + i), vsbyte(pg + i));
+    if constexpr (MINS) off = vmul(vloadf(d + kBlock + i), vsbyte(pg + kBlock + i));
+  } else {
+    scale = vparam<PM == kF16>(pg, i);
+    if constexpr (MINS) off = pr.offsets ? vparam<PM == kF16>(pg, kBlock + i) : vmul(scale, zero);
+  }
 }
 
 // u5 prefetches each group's bytes this far ahead: with it, a Q5_0 weight that does not fit the caches
@@ -55,7 +88,7 @@ constexpr int64_t kAhead = 1536;
 // order of the many-row path (batch invariance). Also the many-row path's i8 tile. Signed i8 weights meet
 // the signed activations by the sign trick (|w| . sign(x, w)) in 256-bit vectors; AVX-512 has no byte
 // sign, so there x + 128 (unsigned) . w is taken, less 128 * sum(w), once per block for all R rows.
-template <int R, int NB, int F, int GS, bool HALF, bool MINS, bool BYTES = false>
+template <int R, int NB, int F, int GS, int PM, bool MINS, bool BYTES = false>
 void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, int64_t gn,
               VF (&acc)[R][NB][kHalves]) {
   constexpr int H = kHalves, RUN = F == kI8 || kVnni ? 1 : run_of(F);
@@ -63,11 +96,12 @@ void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, 
   const int64_t bs = wt.bstride(), pb = wt.pbytes();
   const VF zero = vset(static_cast<float>(-wt.pr.zero));
   for (int64_t g = 0; g < gn; ++g) {
-    const uint8_t* pg = blk + g * wt.gbytes;
+    const GroupAt<PM, GS> at(blk, wt, g);
+    const uint8_t* pg = at.params;
     const uint8_t* gw = pg + pb;
     const int64_t t = (g0 + g) * GS, xg = t / (kXGroup / 4);
     if constexpr (F == kU5 && !BYTES)  // u5 is slow enough per byte that the next groups must be asked for early
-      for (int64_t o = 0; o < wt.gbytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + o) + kAhead, _MM_HINT_T0);
+      for (int64_t o = 0; o < wt.gstride(); o += 64) _mm_prefetch(reinterpret_cast<const char*>(pg + o) + kAhead, _MM_HINT_T0);
     VI is[R][NB][H], bias[NB][H];
 #if !EMBER_QVNNI
     VI ps[R][NB][H];
@@ -124,11 +158,9 @@ void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, 
 #endif
     });
     for (int j = 0; j < NB; ++j) {
-      const uint8_t* pj = pg + j * bs;
       for (int h = 0; h < H; ++h) {
-        const VF scale = vparam<HALF>(pj, kLanes * h);
-        VF off = vfzero();
-        if constexpr (MINS) off = wt.pr.offsets ? vparam<HALF>(pj, kBlock + kLanes * h) : vmul(scale, zero);
+        VF scale, off = vfzero();
+        group_params<PM, MINS>(pg + j * bs, at.head + j * bs, wt.pr, h, zero, scale, off);
         for (int r = 0; r < R; ++r) {
           const VF f = vfloat(BIAS ? vsub(is[r][j][h], bias[j][h]) : is[r][j][h]);
           acc[r][j][h] = vfma(f, vmul(scale, vset(x[r].d[xg])), acc[r][j][h]);
@@ -147,13 +179,13 @@ inline void store_block(const VF (&v)[kHalves], float* out, int64_t col, int64_t
 }
 
 // R rows against NB blocks from block b, over all groups, into out.
-template <int R, int NB, int F, int GS, bool HALF, bool MINS>
+template <int R, int NB, int F, int GS, int PM, bool MINS>
 void few_blocks(const XRow* x, const Weights& wt, int64_t b, float* out, int64_t ldo, int64_t n) {
   VF acc[R][NB][kHalves];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j)
       for (int h = 0; h < kHalves; ++h) acc[r][j][h] = vfzero();
-  few_tile<R, NB, F, GS, HALF, MINS>(x, wt.w + b * wt.bstride(), wt, 0, wt.groups, acc);
+  few_tile<R, NB, F, GS, PM, MINS>(x, wt.w + b * wt.bstride(), wt, 0, wt.kgroups(), acc);
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NB; ++j) store_block(acc[r][j], out + r * ldo, (b + j) * kBlock, n);
 }
@@ -166,7 +198,7 @@ constexpr int few_group() {
   return R == 1 ? 4 : R == 2 ? 2 : 1;
 }
 
-template <int R, int F, int GS, bool HALF, bool MINS>
+template <int R, int F, int GS, int PM, bool MINS>
 void few_rows_p(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
   constexpr int G = few_group<R, F>();
   const int64_t groups = (wt.nblocks + G - 1) / G;
@@ -174,29 +206,30 @@ void few_rows_p(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * G;
       if (b + G <= wt.nblocks) {
-        few_blocks<R, G, F, GS, HALF, MINS>(x, wt, b, out, ldo, n);
+        few_blocks<R, G, F, GS, PM, MINS>(x, wt, b, out, ldo, n);
         continue;
       }
-      for (int64_t t = b; t < wt.nblocks; ++t) few_blocks<R, 1, F, GS, HALF, MINS>(x, wt, t, out, ldo, n);
+      for (int64_t t = b; t < wt.nblocks; ++t) few_blocks<R, 1, F, GS, PM, MINS>(x, wt, t, out, ldo, n);
     }
   });
 }
 
-// f(std::bool_constant<HALF>, std::bool_constant<MINS>) for the weight's parameters.
+// f(std::integral_constant<int, PM>, std::bool_constant<MINS>) for the weight's parameters.
 template <class Fn>
 inline void with_params(const Params& pr, Fn&& f) {
-  if (pr.half) {
-    if (pr.mins()) return f(std::true_type{}, std::true_type{});
-    return f(std::true_type{}, std::false_type{});
-  }
-  if (pr.mins()) return f(std::false_type{}, std::true_type{});
-  f(std::false_type{}, std::false_type{});
+  auto mins = [&](auto pm) {
+    if (pr.mins()) return f(pm, std::true_type{});
+    f(pm, std::false_type{});
+  };
+  if (pr.mode == kSuper) return mins(std::integral_constant<int, kSuper>{});
+  if (pr.mode == kF16) return mins(std::integral_constant<int, kF16>{});
+  mins(std::integral_constant<int, kF32>{});
 }
 
 // R (1..3) rows: the packed bits stream once, threads split the blocks.
 template <int R, int F, int GS>
 void few_rows(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
-  with_params(wt.pr, [&](auto half, auto mins) { few_rows_p<R, F, GS, half(), mins()>(x, wt, out, ldo, n); });
+  with_params(wt.pr, [&](auto pm, auto mins) { few_rows_p<R, F, GS, pm(), mins()>(x, wt, out, ldo, n); });
 }
 
 }  // namespace qblocks

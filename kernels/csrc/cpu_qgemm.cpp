@@ -89,7 +89,7 @@ void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* blk, const Weights& c
     }
 #endif
     const Params& pr = cw.pr;
-    auto param = [&](int i) { return pr.half ? vparam<true>(pg, i) : vparam<false>(pg, i); };
+    auto param = [&](int i) { return pr.mode == kF16 ? vparam<true>(pg, i) : vparam<false>(pg, i); };
     for (int h = 0; h < H; ++h) {
       const VF scale = param(kLanes * h);
       VF off = vfzero();
@@ -110,7 +110,7 @@ void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* blk, const Weights& c
 // The same as few_tile() (int32 and float sums in registers, measured faster than sums in memory): i8
 // (steps as stored), and with 512-bit vectors, whose 32 registers hold them, u4 / u5 (unpacked to bytes).
 // NB blocks at once (block j cw.bstride() after blk, its sums at acc + j * M * 16).
-template <int R, int NB, int F, int GS, bool HALF, bool MINS>
+template <int R, int NB, int F, int GS, int PM, bool MINS>
 void chunk_rows(const XRow* x, int64_t m, const uint8_t* blk, const Weights& cw, int64_t g0, int64_t gn,
                 float* acc, int64_t M) {
   if constexpr (F == kI8 || kHalves == 1) {
@@ -118,7 +118,7 @@ void chunk_rows(const XRow* x, int64_t m, const uint8_t* blk, const Weights& cw,
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j)
         for (int h = 0; h < kHalves; ++h) a[r][j][h] = vloadf(acc + (j * M + m + r) * kBlock + kLanes * h);
-    few_tile<R, NB, F, GS, HALF, MINS, F != kI8>(x + m, blk, cw, g0, gn, a);
+    few_tile<R, NB, F, GS, PM, MINS, F != kI8>(x + m, blk, cw, g0, gn, a);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j)
         for (int h = 0; h < kHalves; ++h) vstoref(acc + (j * M + m + r) * kBlock + kLanes * h, a[r][j][h]);
@@ -136,55 +136,71 @@ constexpr int kTileRows = 4;
 constexpr int64_t kPairRows = 16;
 
 // All M rows of a chunk against NB blocks: tiles of 4 rows, the last rest (1-3) rows one smaller tile.
-template <int NB, int F, int GS, bool HALF, bool MINS>
+template <int NB, int F, int GS, int PM, bool MINS>
 void chunk_all(const XRow* x, int64_t M, const uint8_t* blk, const Weights& cw, int64_t g0, int64_t gn,
                float* acc) {
   int64_t m = 0;
   for (; m + kTileRows <= M; m += kTileRows)
-    chunk_rows<kTileRows, NB, F, GS, HALF, MINS>(x, m, blk, cw, g0, gn, acc, M);
+    chunk_rows<kTileRows, NB, F, GS, PM, MINS>(x, m, blk, cw, g0, gn, acc, M);
   const int64_t rest = M - m;
-  if (rest == 3) chunk_rows<3, NB, F, GS, HALF, MINS>(x, m, blk, cw, g0, gn, acc, M);
-  if (rest == 2) chunk_rows<2, NB, F, GS, HALF, MINS>(x, m, blk, cw, g0, gn, acc, M);
-  if (rest == 1) chunk_rows<1, NB, F, GS, HALF, MINS>(x, m, blk, cw, g0, gn, acc, M);
+  if (rest == 3) chunk_rows<3, NB, F, GS, PM, MINS>(x, m, blk, cw, g0, gn, acc, M);
+  if (rest == 2) chunk_rows<2, NB, F, GS, PM, MINS>(x, m, blk, cw, g0, gn, acc, M);
+  if (rest == 1) chunk_rows<1, NB, F, GS, PM, MINS>(x, m, blk, cw, g0, gn, acc, M);
 }
 
 // 4 or more rows: threads split the blocks, NB at a time; each block is walked in chunks of kChunkSteps
-// steps (u4 / u5 unpacked to bytes once per chunk, each group after a copy of its parameters: ~4 KiB a
-// block, in L1) against tiles of 4 rows; float sums park in acc [NB][M, 16] between chunks.
-template <int NB, int F, int GS, bool HALF, bool MINS>
+// steps (u4 / u5 unpacked to bytes once per chunk, each group after its parameters, copied, or with kSuper
+// made float32: ~4 KiB a block, in L1) against tiles of 4 rows; float sums park in acc [NB][M, 16] between
+// chunks.
+template <int NB, int F, int GS, int PM, bool MINS>
 void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t ldo, int64_t n) {
+  static_assert(kChunkSteps == kSuperSteps, "a chunk is a superblock");
   constexpr int64_t chunk = kChunkSteps / GS;  // groups per chunk
-  const int64_t pb = wt.pbytes(), wbytes = pb + GS * 64;  // an unpacked group
+  constexpr int CPM = F == kI8 || PM != kSuper ? PM : kF32;  // the chunk's parameters
+  const int64_t pb = wt.pbytes(), cpb = (wt.pr.offsets ? 2 : 1) * kBlock * (CPM == kF16 ? 2 : 4);
+  const int64_t wbytes = cpb + GS * 64;  // an unpacked group
   at::parallel_for(0, (wt.nblocks + NB - 1) / NB, 1, [&](int64_t t0, int64_t t1) {
     std::unique_ptr<float[]> acc(new float[NB * M * kBlock]);
     std::unique_ptr<uint8_t[]> wide(F == kI8 ? nullptr : new uint8_t[NB * chunk * wbytes]);
+    const VF zero = vset(static_cast<float>(-wt.pr.zero));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t * NB, nb = std::min<int64_t>(NB, wt.nblocks - b);
       std::fill(acc.get(), acc.get() + nb * M * kBlock, 0.0f);
-      for (int64_t c0 = 0; c0 < wt.groups; c0 += chunk) {
-        const int64_t gn = std::min(chunk, wt.groups - c0);
-        const uint8_t* blk = wt.w + b * wt.bstride() + c0 * wt.gbytes;
+      for (int64_t c0 = 0; c0 < wt.kgroups(); c0 += chunk) {
+        const int64_t gn = std::min(chunk, wt.kgroups() - c0);
+        const uint8_t* blk = wt.w + b * wt.bstride() + c0 / wt.subs * wt.gbytes;
         Weights cw = wt;
         if constexpr (F != kI8) {
           for (int64_t j = 0; j < nb; ++j)
             for (int64_t g = 0; g < gn; ++g) {
-              const uint8_t* src = blk + j * wt.bstride() + g * wt.gbytes;
+              const GroupAt<PM, GS> at(blk + j * wt.bstride(), wt, g);
               uint8_t* dst = wide.get() + (j * chunk + g) * wbytes;
-              std::memcpy(dst, src, pb);
+              if constexpr (PM == kSuper) {
+                for (int h = 0; h < kHalves; ++h) {
+                  VF scale, off = vfzero();
+                  group_params<PM, MINS>(at.params, at.head, wt.pr, h, zero, scale, off);
+                  vstoref(reinterpret_cast<float*>(dst) + kLanes * h, scale);
+                  if constexpr (MINS) vstoref(reinterpret_cast<float*>(dst) + kBlock + kLanes * h, off);
+                }
+              } else {
+                std::memcpy(dst, at.params, pb);
+              }
               for (int i = 0; i < GS; ++i) {
                 VI v[kHalves];
-                unpack<F>(src + pb, i, v);
-                for (int h = 0; h < kHalves; ++h) vstore(dst + pb + 64 * i + 4 * kLanes * h, v[h]);
+                unpack<F>(at.params + pb, i, v);
+                for (int h = 0; h < kHalves; ++h) vstore(dst + cpb + 64 * i + 4 * kLanes * h, v[h]);
               }
             }
           blk = wide.get();
           cw.gbytes = wbytes;
           cw.groups = chunk;  // bstride(): one block's unpacked chunk to the next
+          cw.subs = 1;
+          cw.pr.mode = CPM;
         }
         if (nb == NB)
-          chunk_all<NB, F, GS, HALF, MINS>(x, M, blk, cw, c0, gn, acc.get());
+          chunk_all<NB, F, GS, CPM, MINS>(x, M, blk, cw, c0, gn, acc.get());
         else
-          chunk_all<1, F, GS, HALF, MINS>(x, M, blk, cw, c0, gn, acc.get());
+          chunk_all<1, F, GS, CPM, MINS>(x, M, blk, cw, c0, gn, acc.get());
       }
       for (int64_t j = 0; j < nb; ++j)
         for (int64_t m = 0; m < M; ++m) {
@@ -201,36 +217,34 @@ void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t
   if (M == 1) return few_rows<1, F, GS>(x, wt, out, n, n);
   if (M == 2) return few_rows<2, F, GS>(x, wt, out, n, n);
   if (M == 3) return few_rows<3, F, GS>(x, wt, out, n, n);
-  if constexpr (kHalves == 1)
-    with_params(wt.pr, [&](auto half, auto mins) {
-      if (M >= kPairRows) return many_rows<2, F, GS, half(), mins()>(x, M, wt, out, n, n);
-      many_rows<1, F, GS, half(), mins()>(x, M, wt, out, n, n);
-    });
-  else if constexpr (F == kI8)  // the 256-bit u4 / u5 kernel reads its parameters at run time
-    with_params(wt.pr, [&](auto half, auto mins) { many_rows<1, F, GS, half(), mins()>(x, M, wt, out, n, n); });
-  else
-    many_rows<1, F, GS, false, false>(x, M, wt, out, n, n);
+  with_params(wt.pr, [&](auto pm, auto mins) {
+    if (kHalves == 1 && M >= kPairRows) return many_rows<2, F, GS, pm(), mins()>(x, M, wt, out, n, n);
+    many_rows<1, F, GS, pm(), mins()>(x, M, wt, out, n, n);
+  });
 }
 
 }  // namespace
 
-// x [M, K] (float32, bf16 or half), packed uint8 [NB, Kp / group, group bytes] (see Weights), fmt 0 i8 /
-// 1 u4 / 2 u5; n output rows (<= 16 NB). Returns [M, n] in x's dtype.
+// x [M, K] (float32, bf16 or half), packed uint8 [NB, units, unit bytes] (see Weights), fmt 0 i8 / 1 u4 /
+// 2 u5, params a PMode; n output rows (<= 16 NB). Returns [M, n] in x's dtype.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
-                 bool offsets, bool half, int64_t n) {
+                 bool offsets, int64_t params, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qgemm: x must be a 2-D CPU tensor");
   TORCH_CHECK(fmt >= kI8 && fmt <= kU5, "qgemm: fmt must be 0 (i8), 1 (u4) or 2 (u5)");
   TORCH_CHECK(group == 32 || (group == 16 && fmt == kI8 && !offsets && zero == 0),
               "qgemm: groups are 32 k (16 only for i8)");
+  TORCH_CHECK(params >= kF32 && params <= kSuper && (params != kSuper || zero == 0),
+              "qgemm: params must be 0 (float32), 1 (float16) or 2 (superblocks, without a zero point)");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.device().is_cpu(),
-              "qgemm: the packed weight must be contiguous uint8 [NB, groups, group bytes] on the CPU");
-  const Params pr{static_cast<int>(zero), offsets, half};
-  const int64_t steps = group / 4;
-  const int64_t gbytes = (offsets ? 2 : 1) * kBlock * (half ? 2 : 4) + steps * step_bytes(static_cast<int>(fmt));
-  const int64_t M = x.size(0), K = x.size(1), NBlk = packed.size(0), Kp = packed.size(1) * group;
-  TORCH_CHECK(packed.size(2) == gbytes, "qgemm: group bytes do not match the format");
-  TORCH_CHECK(K <= Kp && Kp - K < kXGroup, "qgemm: weight/input size mismatch");
+              "qgemm: the packed weight must be contiguous uint8 [NB, units, unit bytes] on the CPU");
+  const Params pr{static_cast<int>(zero), offsets, static_cast<int>(params)};
+  const int64_t steps = group / 4, subs = params == kSuper ? kSuperSteps / steps : 1;
+  Weights probe{nullptr, 0, 0, 0, pr, subs};
+  const int64_t gbytes = probe.sbytes() + subs * (probe.pbytes() + steps * step_bytes(static_cast<int>(fmt)));
+  const int64_t M = x.size(0), K = x.size(1), NBlk = packed.size(0), Kp = packed.size(1) * subs * group;
+  TORCH_CHECK(packed.size(2) == gbytes, "qgemm: unit bytes do not match the format");
+  TORCH_CHECK(K <= Kp && Kp - K < (params == kSuper ? 1 : kXGroup), "qgemm: weight/input size mismatch");
   TORCH_CHECK(n <= NBlk * kBlock && n > (NBlk - 1) * kBlock, "qgemm: n does not match the blocks");
   const at::Tensor xc = x.contiguous();
   const auto dtype = xc.scalar_type();
@@ -259,7 +273,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
   std::unique_ptr<XRow[]> rows(new XRow[M]);
   for (int64_t m = 0; m < M; ++m)
     rows[m] = {xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng, xu ? xu.get() + m * Kp : nullptr};
-  const Weights wt{packed.const_data_ptr<uint8_t>(), NBlk, packed.size(1), gbytes, pr};
+  const Weights wt{packed.const_data_ptr<uint8_t>(), NBlk, packed.size(1), gbytes, pr, subs};
   at::Tensor out = at::empty({M, n}, xc.options());
   float* o = dtype == at::kFloat ? out.mutable_data_ptr<float>() : obuf.get();
   if (M > 0) {
@@ -274,6 +288,6 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
 }
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
-  m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, bool half, int n) -> Tensor",
+  m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, int params, int n) -> Tensor",
         qgemm);
 }

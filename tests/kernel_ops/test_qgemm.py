@@ -34,6 +34,17 @@ FORMATS = [
     QFormat("u5", offsets=True),
     QFormat("u5", zero=16, half=True),
 ]
+# the K-quants' own parameters: int8 sub-scales (and mins) times a float32 per row and 256 k
+SUPER_FORMATS = [
+    QFormat("i8", group=16, superblock=True),  # Q6_K
+    QFormat("u4", offsets=True, superblock=True),  # Q4_K
+    QFormat("u5", offsets=True, superblock=True),  # Q5_K
+]
+
+
+def fmt_id(f: QFormat) -> str:
+    base = f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}-h{int(f.half)}"
+    return base + ("-super" if f.superblock else "")
 
 
 def random_weight(fmt: QFormat, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,25 +55,37 @@ def random_weight(fmt: QFormat, n: int, k: int, seed: int) -> tuple[torch.Tensor
         q = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
     else:
         q = torch.randint(0, 16 if fmt.kind == "u4" else 32, (n, k), generator=gen).to(torch.uint8)
-    scales = torch.rand(n, groups, generator=gen) * 0.02 + 1e-3
-    offsets = torch.randn(n, groups, generator=gen) * 0.1 if fmt.offsets else None
-    if fmt.half:  # float16 parameters hold float16 values (GGUF's)
-        scales = scales.half().float()
-        offsets = None if offsets is None else offsets.half().float()
+    supers = None
+    if fmt.superblock:  # signed 8-bit sub-scales (Q6_K's; 6-bit in Q4_K), 6-bit mins, float16 d and dmin
+        lo, hi = (-128, 128) if fmt.kind == "i8" else (0, 64)
+        sub = torch.randint(lo, hi, (n, groups), generator=gen)
+        mins = torch.randint(0, 64, (n, groups), generator=gen) if fmt.offsets else None
+        supers = (torch.rand(n, k // 256, 2 if fmt.offsets else 1, generator=gen) * 1e-3).half().float()
+        if fmt.offsets:
+            supers[..., 1] = -supers[..., 1]
+        per_group = supers.repeat_interleave(fmt.subs, dim=1)
+        scales, offsets = sub.to(torch.int8), None if mins is None else mins.to(torch.int8)
+        scale_f, offset_f = sub * per_group[..., 0], None if mins is None else mins * per_group[..., 1]
+    else:
+        scales = torch.rand(n, groups, generator=gen) * 0.02 + 1e-3
+        offsets = torch.randn(n, groups, generator=gen) * 0.1 if fmt.offsets else None
+        if fmt.half:  # float16 parameters hold float16 values (GGUF's)
+            scales = scales.half().float()
+            offsets = None if offsets is None else offsets.half().float()
+        scale_f, offset_f = scales, offsets
     per = lambda t: t.double().repeat_interleave(fmt.group, dim=1)[:, :k]
     qd = q.double()
-    dense = qd * per(scales) + per(offsets) if offsets is not None else (qd - fmt.zero) * per(scales)
-    return pack_qweight(q, scales, fmt, offsets), dense, q
+    dense = qd * per(scale_f) + per(offset_f) if offset_f is not None else (qd - fmt.zero) * per(scale_f)
+    return pack_qweight(q, scales, fmt, offsets, supers), dense, q
 
 
-@pytest.mark.parametrize(
-    "fmt", FORMATS, ids=lambda f: f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}-h{int(f.half)}"
-)
+@pytest.mark.parametrize("fmt", FORMATS + SUPER_FORMATS, ids=fmt_id)
 def test_layout_round_trips(fmt: QFormat) -> None:
-    for n, k in ((16, 32), (33, 100), (5, 300)):
+    shapes = ((16, 256), (33, 512), (5, 768)) if fmt.superblock else ((16, 32), (33, 100), (5, 300))
+    for n, k in shapes:
         packed, dense, _ = random_weight(fmt, n, k, n + k)
-        groups = -(-k // 32) * 32 // fmt.group
-        assert packed.dtype == torch.uint8 and packed.shape[:2] == (-(-n // 16), groups)
+        units = -(-k // 32) * 32 // fmt.group // fmt.subs
+        assert packed.dtype == torch.uint8 and packed.shape[:2] == (-(-n // 16), units)
         torch.testing.assert_close(unpack_qweight(packed, fmt, n, k).double(), dense, atol=1e-6, rtol=1e-6)
 
 
@@ -76,11 +99,17 @@ def test_activations_are_quantized_like_the_reference(native_ops) -> None:
     assert torch.equal(qgemm(x, packed, QFormat("i8"), k), quantize_activations(x))
 
 
-@pytest.mark.parametrize(
-    "fmt", FORMATS, ids=lambda f: f"{f.kind}-g{f.group}-z{f.zero}-o{int(f.offsets)}-h{int(f.half)}"
-)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 11, 13, 18, 40])
-@pytest.mark.parametrize(("n", "k"), [(17, 64), (70, 100), (200, 32), (33, 608)])
+ROWS = [1, 2, 3, 4, 6, 11, 13, 18, 40]
+CASES = [(f, n, k) for f in FORMATS for n, k in [(17, 64), (70, 100), (200, 32), (33, 608)]]
+CASES += [(f, n, k) for f in SUPER_FORMATS for n, k in [(17, 256), (70, 512), (33, 768)]]
+
+
+def case_id(c: object) -> str:
+    return fmt_id(c) if isinstance(c, QFormat) else str(c)
+
+
+@pytest.mark.parametrize(("fmt", "n", "k"), CASES, ids=case_id)
+@pytest.mark.parametrize("m", ROWS)
 def test_qgemm_matches_reference(native_ops, fmt: QFormat, m: int, n: int, k: int) -> None:
     packed, dense, _ = random_weight(fmt, n, k, m * 1000 + n + k)
     gen = torch.Generator().manual_seed(m + n)
@@ -105,7 +134,7 @@ def test_qgemm_refuses_mismatched_shapes(native_ops) -> None:
         qgemm(torch.randn(2, 128), packed, fmt, 32)
     with pytest.raises(RuntimeError, match="n does not match"):
         qgemm(torch.randn(2, 64), packed, fmt, 48)
-    with pytest.raises(RuntimeError, match="group bytes"):
+    with pytest.raises(RuntimeError, match="unit bytes"):
         qgemm(torch.randn(2, 64), packed, QFormat("u4", zero=8), 32)
 
 

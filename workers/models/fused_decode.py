@@ -41,7 +41,7 @@ class FusedLayer:
     weights: list[torch.Tensor]  # the segments of qkv, o, gate_up, down
     scales: list[torch.Tensor]  # fp8 linears' scales (an empty tensor elsewhere)
     biases: list[torch.Tensor]  # (an empty tensor where a linear has none)
-    specs: list[int]  # per linear: its segment count, then kind, group, zero, offsets, half, rows each
+    specs: list[int]  # per linear: its segment count, then kind, group, zero, offsets, params, rows each
     dims: list[int]
     scale: float
     eps: float
@@ -61,9 +61,7 @@ def segments(lin: ColumnLinear | RowLinear) -> list[tuple[torch.Tensor, list[int
         return [(lin.weight, [SEG_BF16, 0, 0, 0, 0, attrs["out_features"]])]
     if isinstance(lin.quant, GGUFPacked):
         views = lin.quant.segment_views(lin)
-        return [
-            (v, [KINDS.index(f.kind), f.group, f.zero, int(f.offsets), int(f.half), n]) for v, f, n in views
-        ]
+        return [(v, [KINDS.index(f.kind), f.group, f.zero, int(f.offsets), f.params, n]) for v, f, n in views]
     if "kind" in attrs:  # online int8 / int4 on qgemm
         spec = [KINDS.index(attrs["kind"]), attrs["group"], attrs["zero"], int(attrs["offsets"]), 0]
         return [(lin.weight, spec + [attrs["out_features"]])]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kernels.cpu_gemm import gemm_bf16, pack_bf16
-from kernels.qgemm import QFormat, pack_qweight, qgemm
+from kernels.qgemm import QFormat, qgemm
 from workers.gguf_repack import Repacked, concat
 from workers.gguf_weights import GGUFTensor
 from workers.quant.base import QuantLayer, QuantMethod
@@ -31,7 +31,7 @@ VIEWS = "gguf_views"  # plain attribute, built on first use: [(packed view, form
 
 class GGUFPacked(QuantMethod):
     name = "gguf"
-    native_layout = "cpu_gguf_qgemm"
+    native_layout = "cpu_gguf_qgemm2"  # 2: the K-quants in superblocks
 
     def config(self) -> dict[str, Any]:
         return {"method": self.name, "layout": self.native_layout}
@@ -90,7 +90,7 @@ class GGUFPacked(QuantMethod):
         offset = 0
         for run in runs:
             whole = concat(run)
-            blocks = pack_qweight(whole.q, whole.scales, whole.fmt, whole.offsets)
+            blocks = whole.pack()
             packed.append(blocks.reshape(-1))
             segments.append(
                 {"rows": whole.rows, "offset": offset, "shape": list(blocks.shape), **whole.fmt.attrs()}
@@ -108,7 +108,8 @@ class GGUFPacked(QuantMethod):
             for s in layer.quant_attrs["segments"]:
                 size = s["shape"][0] * s["shape"][1] * s["shape"][2]
                 view = layer.weight.narrow(0, s["offset"], size).view(*s["shape"])
-                fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"], s.get("half", False))
+                flags = s.get("half", False), s.get("superblock", False)
+                fmt = qformat(s["kind"], s["group"], s["zero"], s["offsets"], *flags)
                 views.append((view, fmt, s["rows"]))
             layer.__dict__[VIEWS] = views
         return views

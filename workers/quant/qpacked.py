@@ -17,8 +17,10 @@ from workers.quant.base import QuantLayer, QuantMethod
 
 
 @functools.cache
-def qformat(kind: str, group: int, zero: int, offsets: bool, half: bool = False) -> QFormat:
-    return QFormat(kind, group, zero, offsets, half)
+def qformat(
+    kind: str, group: int, zero: int, offsets: bool, half: bool = False, superblock: bool = False
+) -> QFormat:
+    return QFormat(kind, group, zero, offsets, half, superblock)
 
 
 def set_qpacked(
