@@ -1,8 +1,8 @@
 """Group-quantized weights x int8-quantized activations on CPUs: packed layouts, the native op, references.
 
 Runs in worker processes (and the preload daemon) on CPU engines. A weight is integers q [N, K] with
-parameters per row and group of G k (32; 16 for i8): `QFormat` names how they are stored (i8: signed
-bytes; u4 / u5: unsigned 4 / 5 bits) and what turns them into weights (w = (q - zero) * scale, or
+parameters per row and group of G k (32; 16 for i8 and u6): `QFormat` names how they are stored (i8: signed
+bytes; u4 / u5 / u6: unsigned 4 / 5 / 6 bits) and what turns them into weights (w = (q - zero) * scale, or
 q * scale + offset). `pack_qweight` lays them out for `torch.ops.ember.qgemm` (csrc/cpu_qgemm.cpp):
 blocks of 16 rows, each a sequence of groups (the group's parameters, then its steps of 4 k), K
 padded to a multiple of 32. The K-quants keep their own compact parameters (`superblock`): per 256 k a
@@ -23,15 +23,15 @@ from kernels.native import use_native
 BLOCK = 16
 XGROUP = 32  # k per activation scale
 SUPER = 256  # k per superblock
-KINDS = ("i8", "u4", "u5")
-STEP_BYTES = {"i8": 64, "u4": 32, "u5": 40}
+KINDS = ("i8", "u4", "u5", "u6")
+STEP_BYTES = {"i8": 64, "u4": 32, "u5": 40, "u6": 48}
 
 
 @dataclass(frozen=True)
 class QFormat:
     """How a packed weight's integers become weights (part of the layer's cached attributes)."""
 
-    kind: str  # i8 | u4 | u5
+    kind: str  # i8 | u4 | u5 | u6
     group: int = 32
     zero: int = 0  # w = (q - zero) * scale
     offsets: bool = False  # w = q * scale + offset instead
@@ -40,8 +40,9 @@ class QFormat:
 
     def __post_init__(self) -> None:
         assert self.kind in KINDS, f"unknown packed kind {self.kind!r}"
-        assert self.group == 32 or (self.group == 16 and self.kind == "i8" and not self.mins), "bad group"
-        assert not (self.superblock and (self.half or self.zero)), "superblocks: float32 d, no zero point"
+        sixteen = (self.kind == "i8" and not self.mins) or self.kind == "u6"
+        assert (self.group == 32 and self.kind != "u6") or (self.group == 16 and sixteen), "bad group"
+        assert not (self.superblock and self.half), "superblocks: float32 d"
 
     @property
     def params(self) -> int:
@@ -95,13 +96,14 @@ def pack_qweight(
     offsets: torch.Tensor | None = None,
     supers: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Integers q [N, K] (int8 for i8, uint8 in 0..15 / 0..31 for u4 / u5) with scales [N, ceil(K / G)]
-    (and offsets, same shape, when fmt.offsets) -> uint8 [NB, units, group_bytes]: per block of 16 rows and
-    group, the rows' scales (then offsets) as float32 (float16 with fmt.half), then the group's steps of
-    4 k. With fmt.superblock (K a multiple of 256) the scales and offsets are int8 sub-parameters and
-    supers float32 [N, K / 256, 1 or 2] (d, and -dmin with offsets): a unit is a superblock, 16 d (16
-    -dmin), then its groups with int8 parameters. Padding is 0. The native op where it runs (every
-    packed layer at load), else `pack_qweight_torch`."""
+    """Integers q [N, K] (int8 for i8, uint8 in 0..15 / 0..31 / 0..63 for u4 / u5 / u6) with
+    scales [N, ceil(K / G)] (and offsets, same shape, when fmt.offsets) -> uint8 [NB, units,
+    group_bytes]: per block of 16 rows and group, the rows' scales (then offsets) as float32 (float16
+    with fmt.half), then the group's steps of 4 k. With fmt.superblock (K a multiple of 256) the
+    scales and offsets are int8 sub-parameters and supers float32 [N, K / 256, 1 or 2] (d, and -dmin
+    with offsets): a unit is a superblock, 16 d (16 -dmin), then its groups with int8 parameters.
+    Padding is 0. The native op where it runs (every packed layer at load), else
+    `pack_qweight_torch`."""
     assert (offsets is not None) == fmt.offsets, "offsets exactly when the format has them"
     assert (supers is not None) == fmt.superblock, "supers exactly for superblock formats"
     if q.device.type == "cpu" and use_native(q.device):
@@ -141,12 +143,14 @@ def pack_qweight_torch(
     else:
         low = by_step & 0x0F
         data = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(nb, groups, -1)
-        if fmt.kind == "u5":
-            # after each group's 8 x 32 nibble bytes, 2 planes of 32 bytes: bit i = the fifth bit at step i
-            bits = ((by_step >> 4) & 1).reshape(nb, groups, 8, 64)
+        if fmt.kind in ("u5", "u6"):
+            # after each group's nibble bytes (u5: 8 x 32, u6: 4 x 32), 2 planes of 32 bytes: bit i = the
+            # fifth bit at step i (u5), bits 2 i and 2 i + 1 the fifth and sixth (u6)
+            width = 1 if fmt.kind == "u5" else 2
+            bits = ((by_step >> 4) & (2**width - 1)).reshape(nb, groups, fmt.group // 4, 64)
             planes = bits[:, :, 0].clone()
-            for i in range(1, 8):
-                planes |= bits[:, :, i] << i
+            for i in range(1, fmt.group // 4):
+                planes |= bits[:, :, i] << (width * i)
             data = torch.cat((data, planes), dim=2)
     per = [scales] + ([offsets] if offsets is not None else [])
     dtype = torch.int8 if fmt.superblock else torch.float16 if fmt.half else torch.float32
@@ -190,11 +194,14 @@ def unpack_qweight(packed: torch.Tensor, fmt: QFormat, n: int, k: int) -> torch.
     if fmt.kind == "i8":
         q = data.contiguous().view(torch.int8).view(nb, steps, 2, 8, 4).float()
     else:
-        nib = data[..., : 256 if fmt.kind == "u5" else None].reshape(nb, steps, 8, 4)
+        nibbles = fmt.group // 4 * 32
+        nib = data[..., :nibbles].reshape(nb, steps, 8, 4)
         q = torch.stack((nib & 0x0F, nib >> 4), dim=2).int()  # [NB, step, half, row, 4]
-        if fmt.kind == "u5":
-            planes = data[..., 256:].reshape(nb, groups, 1, 64).int()
-            bits = (planes >> torch.arange(8, dtype=torch.int32).view(1, 1, 8, 1)) & 1  # [NB, g, step, 64]
+        if fmt.kind in ("u5", "u6"):
+            width = 1 if fmt.kind == "u5" else 2
+            planes = data[..., nibbles:].reshape(nb, groups, 1, 64).int()
+            shifts = width * torch.arange(fmt.group // 4, dtype=torch.int32).view(1, 1, -1, 1)
+            bits = (planes >> shifts) & (2**width - 1)  # [NB, g, step, 64]
             q = q | (bits.reshape(nb, steps, 2, 8, 4) << 4)
         q = q.float()
     q = q.permute(0, 2, 3, 1, 4).reshape(nb * BLOCK, kp)  # rows, k

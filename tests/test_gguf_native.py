@@ -104,14 +104,20 @@ def test_native_dequantize_equals_the_reference(native_ops, qtype: int, dtype: t
 
 @pytest.mark.parametrize(
     "fmt",
-    [QFormat("i8"), QFormat("i8", group=16), QFormat("u4", offsets=True), QFormat("u5", zero=16, half=True)],
+    [
+        QFormat("i8"),
+        QFormat("i8", group=16),
+        QFormat("u4", offsets=True),
+        QFormat("u5", zero=16, half=True),
+        QFormat("u6", group=16, zero=32),
+    ],
     ids=str,
 )
 def test_native_pack_pads_odd_shapes(native_ops, fmt: QFormat) -> None:
     """K not a multiple of 32 (zero steps and parameters past it) and N not of 16."""
     n, k = 19, 70
     gen = torch.Generator().manual_seed(3)
-    hi = {"i8": 127, "u4": 15, "u5": 31}[fmt.kind]
+    hi = {"i8": 127, "u4": 15, "u5": 31, "u6": 63}[fmt.kind]
     q = torch.randint(-127 if fmt.kind == "i8" else 0, hi + 1, (n, k), generator=gen)
     q = q.to(torch.int8 if fmt.kind == "i8" else torch.uint8)
     groups = -(-k // fmt.group)

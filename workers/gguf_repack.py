@@ -3,7 +3,7 @@
 Runs in worker processes while a GGUF checkpoint loads on the CPU fast path. `repack` turns a tensor's
 stored blocks into a `Repacked` weight: integers q [N, K], scales (and offsets) per row and group of
 32 inputs (16 for Q6_K), and the `kernels.qgemm.QFormat` that makes them weights, with no rounding:
-Q8_0 and Q6_K become i8 (w = q * scale), Q4_0 / Q5_0 u4 / u5 with their zero point 8 / 16, Q4_1 /
+Q8_0 becomes i8 (w = q * scale), Q4_0 / Q5_0 / Q6_K u4 / u5 / u6 with their zero point 8 / 16 / 32, Q4_1 /
 Q5_1 / Q4_K / Q5_K u4 / u5 with offsets (w = q * scale + offset). The 32-wide types keep their float16
 scales and mins as float16 (as many bytes as the file's blocks). The K-quants keep their own form
 (superblock formats): int8 sub-scales (and 6-bit mins) per group and float32 d (and -dmin) per 256
@@ -39,7 +39,7 @@ _T = GGMLQuantizationType
 class Repacked:
     """A [N, K] weight as integers and per-group parameters (see the module docstring)."""
 
-    q: torch.Tensor  # int8 (i8) or uint8 (u4 / u5) [N, K]
+    q: torch.Tensor  # int8 (i8) or uint8 (u4 / u5 / u6) [N, K]
     scales: torch.Tensor  # float32 [N, K / group] (int8 sub-scales with fmt.superblock)
     offsets: torch.Tensor | None  # the same when fmt.offsets (int8 mins with fmt.superblock)
     fmt: QFormat
@@ -173,7 +173,7 @@ def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     scales = b[:, qh_end:sc_end].contiguous().view(torch.int8)
     ql = _nibbles(b[:, :ql_end], 2, 64).reshape(n, -1, 32)
     qh = _bits(b[:, ql_end:qh_end], 2, 32, 2).reshape(n, -1, 32)
-    q = ((ql | (qh << 4)).view(torch.int8) - 32).reshape(n, QK_K)
+    q = (ql | (qh << 4)).reshape(n, QK_K)
     return q, scales, None, _f16(b[:, sc_end:])
 
 
@@ -181,7 +181,7 @@ def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # the format)
 _REPACK: dict[int, tuple[Callable[[torch.Tensor], tuple], QFormat]] = {
     _T.Q8_0: (_q8_0, QFormat("i8", half=True)),
-    _T.Q6_K: (_q6_k, QFormat("i8", group=16, superblock=True)),
+    _T.Q6_K: (_q6_k, QFormat("u6", group=16, zero=32, superblock=True)),
     _T.Q4_0: (_q4_0, QFormat("u4", zero=8, half=True)),
     _T.Q5_0: (_q5_0, QFormat("u5", zero=16, half=True)),
     _T.Q4_1: (_q4_1, QFormat("u4", offsets=True, half=True)),

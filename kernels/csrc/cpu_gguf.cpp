@@ -122,7 +122,7 @@ void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of,
         const int c = i / 128, s = (i % 128) / 32, w = i % 32;
         const int lo = s < 2 ? ql[64 * c + 32 * s + w] & 0x0F : ql[64 * c + 32 * (s - 2) + w] >> 4;
         const int hi = (qh[32 * c + w] >> (2 * s)) & 3;
-        q[i] = static_cast<uint8_t>(static_cast<int8_t>((lo | (hi << 4)) - 32));
+        q[i] = static_cast<uint8_t>(lo | (hi << 4));  // u6, zero point 32
       }
       return;
     }
@@ -133,7 +133,7 @@ void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of,
 }  // namespace
 
 // raw: the tensor's stored bytes (uint8, n * k / block * bytes), type: its GGUF type id, [n, k] its
-// shape. Returns q [n, k] (int8 for Q8_0 / Q6_K, else uint8), scales [n, k / group] and offsets (same,
+// shape. Returns q [n, k] (int8 for Q8_0, else uint8: Q6_K's 0..63), scales [n, k / group] and offsets (same,
 // or empty for types without), and the superblocks' parameters: for the 32-wide types float32 scales and
 // offsets and an empty last tensor; for the K-quants int8 sub-scales and sub-mins and float32
 // [n, k / 256, 2] (d, -dmin; Q6_K: [n, k / 256, 1], d).
@@ -143,7 +143,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_decode(const at:
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte, "gguf_decode: uint8 CPU bytes");
   TORCH_CHECK(k % ti.block == 0 && raw.numel() == n * (k / ti.block) * ti.bytes, "gguf_decode: whole blocks");
   const at::Tensor rc = raw.contiguous();
-  const bool signed_q = type == kQ8_0 || type == kQ6_K;
+  const bool signed_q = type == kQ8_0;
   const auto opts = at::TensorOptions().device(at::kCPU);
   const auto pdtype = ti.super() ? at::kChar : at::kFloat;
   at::Tensor q = at::empty({n, k}, opts.dtype(signed_q ? at::kChar : at::kByte));
@@ -169,13 +169,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_decode(const at:
 }
 
 // q [N, K] (int8 or uint8: i8 bytes, or u4 / u5 values), scales [N, ceil(K / group)] and offsets (the same
-// or empty); kind 0 i8 / 1 u4 / 2 u5; params 0 / 1: scales and offsets float32, stored as float32 / float16;
+// or empty); kind 0 i8 / 1 u4 / 2 u5 / 3 u6; params 0 / 1: scales and offsets float32, stored as float32 / float16;
 // 2: int8 sub-scales and sub-mins, with supers float32 [N, K / 256, 1 or 2] (d, -dmin). The layout of
 // kernels/qgemm.pack_qweight: uint8 [NB, units, unit bytes], zero past N and K.
 at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& supers,
                  int64_t kind, int64_t group, int64_t params) {
   TORCH_CHECK(q.dim() == 2 && q.device().is_cpu() && q.element_size() == 1, "qpack: q is [N, K] bytes");
-  TORCH_CHECK(kind >= 0 && kind <= 2 && (group == 32 || (group == 16 && kind == 0)), "qpack: bad format");
+  TORCH_CHECK(kind >= 0 && kind <= 3 && (group == 32 ? kind != 3 : group == 16 && (kind == 0 || kind == 3)),
+              "qpack: bad format");
   TORCH_CHECK(params >= 0 && params <= 2, "qpack: params must be 0, 1 or 2");
   const bool sup = params == 2;
   const int64_t N = q.size(0), K = q.size(1), Kp = (K + 31) / 32 * 32, NB = (N + 15) / 16;
@@ -189,7 +190,7 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor
                        supers.sizes() == at::IntArrayRef({N, K / 256, P}) && supers.scalar_type() == at::kFloat),
               "qpack: superblocks need K a multiple of 256, int8 sub-parameters and float32 [N, K / 256, P]");
   const int64_t psize = params == 0 ? 4 : params == 1 ? 2 : 1, pbytes = P * 16 * psize;
-  const int64_t step_bytes = kind == 0 ? 64 : 32, data = steps * step_bytes + (kind == 2 ? 64 : 0);
+  const int64_t step_bytes = kind == 0 ? 64 : 32, data = steps * step_bytes + (kind >= 2 ? 64 : 0);
   const int64_t sbytes = sup ? P * 64 : 0, gstride = pbytes + data, ubytes = sbytes + subs * gstride;
   const at::Tensor qc = q.contiguous(), sc = sup ? scales.contiguous() : scales.contiguous().to(at::kFloat);
   const at::Tensor oc = has_off ? (sup ? offsets.contiguous() : offsets.contiguous().to(at::kFloat)) : offsets;
@@ -245,10 +246,10 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor
             std::memcpy(&w, nib, 4);
             w |= (v & 0x0F0F0F0Fu) << (4 * h);
             std::memcpy(nib, &w, 4);
-            if (kind == 2) {
+            if (kind >= 2) {  // u5: bit st of each byte the fifth bit; u6: bits 2 st, 2 st + 1 the high two
               uint8_t* plane = d + steps * 32 + 32 * h + 4 * i;
               std::memcpy(&w, plane, 4);
-              w |= ((v >> 4) & 0x01010101u) << st;
+              w |= kind == 2 ? ((v >> 4) & 0x01010101u) << st : ((v >> 4) & 0x03030303u) << (2 * st);
               std::memcpy(plane, &w, 4);
             }
           }

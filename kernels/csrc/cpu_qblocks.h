@@ -21,8 +21,10 @@ constexpr int kBlock = 16;          // output rows per block
 constexpr int64_t kXGroup = 32;     // k per activation scale
 constexpr int64_t kChunkSteps = 64;  // steps (256 k) of a block unpacked at once for many rows: 4 KiB, in L1
 constexpr int64_t kSuperSteps = 64;  // steps (256 k) of a superblock (kSuper parameters)
-enum QFmt { kI8 = 0, kU4 = 1, kU5 = 2 };
-constexpr int64_t step_bytes(int F) { return F == kU4 ? 32 : F == kU5 ? 40 : 64; }
+enum QFmt { kI8 = 0, kU4 = 1, kU5 = 2, kU6 = 3 };
+constexpr int64_t step_bytes(int F) { return F == kU4 ? 32 : F == kU5 ? 40 : F == kU6 ? 48 : 64; }
+// Where a group's planes of high bits start, after its steps' nibbles (u5: 8 steps, u6: 4).
+constexpr int64_t plane_at(int F) { return F == kU5 ? 256 : 128; }
 
 // The vector a step's products land in: with AVX-512 (BW + VNNI) one 512-bit vector holds a block's 16
 // rows; otherwise two 256-bit vectors hold rows 0..7 and 8..15 (kHalves). The V* helpers are the few
@@ -79,13 +81,21 @@ constexpr int kLanes = kBlock / kHalves;  // rows per vector
 #endif
 constexpr bool kVnni = EMBER_QVNNI;
 
-// One quantized activation row: q [Kp] int8, per 32 k its scale d and d * sum(q); u: q + 128 as bytes
-// (q ^ 0x80, for the 512-bit i8 kernels; null elsewhere).
+// One quantized activation row: q [Kp] int8, per 32 k its scale d and d * sum(q), per 16 k d * sum(q) (h,
+// for the minimums of groups of 16); u: q + 128 as bytes (q ^ 0x80, for the 512-bit i8 kernels; null
+// elsewhere).
 struct XRow {
   const int8_t* q;
   const float* d;
   const float* s;
+  const float* h;
   const uint8_t* u;
+  // d * sum(q) over group g of G = 4 GS k
+  template <int GS>
+  float sum(int64_t g) const {
+    if constexpr (GS == 4) return h[g];
+    return s[g];
+  }
 };
 
 // Where a group's parameters are: float32 or float16 values before its steps, or (kSuper, the K-quants'
@@ -118,7 +128,7 @@ struct Weights {
 
 // x rows (T = float, bf16 or half) -> int8 per 32 k, zero past K up to Kp.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d, float* s) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, float* d, float* s, float* h) {
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     alignas(32) float buf[kXGroup];
     for (int64_t m = m0; m < m1; ++m) {
@@ -136,25 +146,27 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* q, floa
           v[i] = _mm256_load_ps(buf + 8 * i);
           amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
         }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
-        const float dd = _mm_cvtss_f32(h) / 127.0f;
+        __m128 mx = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
+        mx = _mm_max_ss(mx, _mm_shuffle_ps(mx, mx, 1));
+        const float dd = _mm_cvtss_f32(mx) / 127.0f;
         const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
-        __m256i iv[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; ++i) {
-          iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
-          sum = _mm256_add_epi32(sum, iv[i]);
-        }
+        __m256i iv[4];
+        for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
+        const __m256i lo = _mm256_add_epi32(iv[0], iv[1]), hi = _mm256_add_epi32(iv[2], iv[3]);
         const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
         const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + m * Kp + k0), ordered);
-        alignas(32) int32_t t[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(t), sum);
-        int32_t total = 0;
-        for (int i = 0; i < 8; ++i) total += t[i];
-        d[m * (Kp / kXGroup) + g] = dd;
-        s[m * (Kp / kXGroup) + g] = dd * static_cast<float>(total);
+        alignas(32) int32_t t[16];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t), lo);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(t + 8), hi);
+        int32_t half[2] = {0, 0};
+        for (int i = 0; i < 16; ++i) half[i / 8] += t[i];
+        const int64_t at = m * (Kp / kXGroup) + g;
+        d[at] = dd;
+        s[at] = dd * static_cast<float>(half[0] + half[1]);
+        h[2 * at] = dd * static_cast<float>(half[0]);
+        h[2 * at + 1] = dd * static_cast<float>(half[1]);
       }
     }
   });
@@ -172,12 +184,24 @@ inline VI fifth_bits(VI plane, int i) {
 #endif
 }
 
+// The sixth and fifth bits of step i (0..3) of a u6 plane, as bits 4 and 5 of each byte (bits 2 i, 2 i + 1
+// moved by one 16-bit shift, the neighbour byte's bits masked off).
+inline VI high_bits(VI plane, int i) {
+#if defined(__AVX512BW__)
+  const VI moved = i <= 2 ? _mm512_slli_epi16(plane, 4 - 2 * i) : _mm512_srli_epi16(plane, 2 * i - 4);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+#else
+  const VI moved = i <= 2 ? _mm256_slli_epi16(plane, 4 - 2 * i) : _mm256_srli_epi16(plane, 2 * i - 4);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+#endif
+}
+
 // Step i of a group of 8 (or 4) steps starting at g -> the block's 16 rows (v[0]: rows 0..7, v[1]: 8..15
 // with 256-bit vectors), each 32-bit lane one row's 4 k. i is a constant once the group's loop unrolls,
 // so every address is g plus an immediate. BYTES: u4 / u5 steps already unpacked, 64 bytes each.
 template <int F, bool BYTES = false>
 inline void unpack(const uint8_t* g, int i, VI (&v)[kHalves]) {
-  const uint8_t* w = g + i * (BYTES ? 64 : F == kU5 ? 32 : step_bytes(F));
+  const uint8_t* w = g + i * (BYTES ? 64 : F == kU5 || F == kU6 ? 32 : step_bytes(F));
 #if defined(__AVX512BW__)
   if constexpr (F == kI8 || BYTES) {
     v[0] = vload(w);
@@ -186,6 +210,7 @@ inline void unpack(const uint8_t* g, int i, VI (&v)[kHalves]) {
     const VI shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
     v[0] = _mm512_and_si512(_mm512_srlv_epi16(both, shift), _mm512_set1_epi8(0x0F));
     if constexpr (F == kU5) v[0] = _mm512_or_si512(v[0], fifth_bits(vload(g + 256), i));
+    if constexpr (F == kU6) v[0] = _mm512_or_si512(v[0], high_bits(vload(g + 128), i));
   }
 #else
   if constexpr (F == kI8 || BYTES) {
@@ -198,6 +223,10 @@ inline void unpack(const uint8_t* g, int i, VI (&v)[kHalves]) {
     if constexpr (F == kU5) {
       v[0] = _mm256_or_si256(v[0], fifth_bits(vload(g + 256), i));
       v[1] = _mm256_or_si256(v[1], fifth_bits(vload(g + 288), i));
+    }
+    if constexpr (F == kU6) {
+      v[0] = _mm256_or_si256(v[0], high_bits(vload(g + 128), i));
+      v[1] = _mm256_or_si256(v[1], high_bits(vload(g + 160), i));
     }
   }
 #endif

@@ -26,8 +26,9 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
 }
 #endif
 
-// Steps whose byte products are summed in int16 before widening to int32 (u4: 8 x 2 x 15 x 127 < 2^15; u5: 4).
-constexpr int run_of(int F) { return F == kU4 ? 8 : 4; }
+// Steps whose byte products are summed in int16 before widening to int32 (u4: 8 x 2 x 15 x 127 < 2^15; u5: 4;
+// u6: 2).
+constexpr int run_of(int F) { return F == kU4 ? 8 : F == kU5 ? 4 : 2; }
 
 // f(std::integral_constant<int, I>{}) for I = 0 .. N - 1, unrolled: every index is a constant.
 template <int N, class Fn>
@@ -70,7 +71,7 @@ inline void group_params(const uint8_t* pg, const uint8_t* head, const Params& p
   if constexpr (PM == kSuper) {
     const float* d = reinterpret_cast<const float*>(head);
     scale = vmul(vloadf(d + i), vsbyte(pg + i));
-    if constexpr (MINS) off = vmul(vloadf(d + kBlock + i), vsbyte(pg + kBlock + i));
+    if constexpr (MINS) off = pr.offsets ? vmul(vloadf(d + kBlock + i), vsbyte(pg + kBlock + i)) : vmul(scale, zero);
   } else {
     scale = vparam<PM == kF16>(pg, i);
     if constexpr (MINS) off = pr.offsets ? vparam<PM == kF16>(pg, kBlock + i) : vmul(scale, zero);
@@ -164,7 +165,7 @@ void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, 
         for (int r = 0; r < R; ++r) {
           const VF f = vfloat(BIAS ? vsub(is[r][j][h], bias[j][h]) : is[r][j][h]);
           acc[r][j][h] = vfma(f, vmul(scale, vset(x[r].d[xg])), acc[r][j][h]);
-          if constexpr (MINS) acc[r][j][h] = vfma(off, vset(x[r].s[xg]), acc[r][j][h]);
+          if constexpr (MINS) acc[r][j][h] = vfma(off, vset(x[r].template sum<GS>(g0 + g)), acc[r][j][h]);
         }
       }
     }

@@ -10,7 +10,8 @@
 // Weights come in blocks of 16 output rows, and within a block in steps of 4 k (see kernels/qgemm.py):
 //   i8: signed bytes, 64 per step: rows 0..7 then rows 8..15, each its 4 k together (Q8_0, Q6_K, int8);
 //   u4: 32 bytes per step, byte 4 i + j = row i (low nibble) and row i + 8 (high nibble) at k j;
-//   u5: per 8 steps their u4 bytes, then two 32-byte planes with the fifth bits (Q5_0 / Q5_1 / Q5_K).
+//   u5: per 8 steps their u4 bytes, then two 32-byte planes with the fifth bits (Q5_0 / Q5_1 / Q5_K);
+//   u6: per 4 steps their u4 bytes, then a 64-byte plane with the two high bits of each step (Q6_K).
 // Each group of G k (32; 16 for i8) of a block starts with its parameters, 16 scales and (formats with
 // mins) 16 offsets, float32 or float16, so a block is one sequential stream: w = (q - zero) * scale, or
 // q * scale + offset.
@@ -100,7 +101,7 @@ void chunk_rows_u(const XRow* x, int64_t m, const uint8_t* blk, const Weights& c
       for (int r = 0; r < R; ++r) {
         float* o = acc + (m + r) * kBlock + kLanes * h;
         VF v = vfma(vfloat(is[r][h]), vmul(scale, vset(xr[r].d[xg])), vloadf(o));
-        if (pr.mins()) v = vfma(off, vset(xr[r].s[xg]), v);
+        if (pr.mins()) v = vfma(off, vset(xr[r].template sum<GS>(g0 + gi)), v);
         vstoref(o, v);
       }
     }
@@ -220,7 +221,8 @@ void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t
   if (M == 2) return few_rows<2, F, GS>(x, wt, out, n, n);
   if (M == 3) return few_rows<3, F, GS>(x, wt, out, n, n);
   with_params(wt.pr, [&](auto pm, auto mins) {
-    if (kHalves == 1 && M >= kPairRows) return many_rows<2, F, GS, pm(), mins()>(x, M, wt, out, n, n);
+    if constexpr (kHalves == 1)
+      if (M >= kPairRows) return many_rows<2, F, GS, pm(), mins()>(x, M, wt, out, n, n);
     many_rows<1, F, GS, pm(), mins()>(x, M, wt, out, n, n);
   });
 }
@@ -228,15 +230,14 @@ void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t
 }  // namespace
 
 // x [M, K] (float32, bf16 or half), packed uint8 [NB, units, unit bytes] (see Weights), fmt 0 i8 / 1 u4 /
-// 2 u5, params a PMode; n output rows (<= 16 NB). Returns [M, n] in x's dtype.
+// 2 u5 / 3 u6, params a PMode; n output rows (<= 16 NB). Returns [M, n] in x's dtype.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
                  bool offsets, int64_t params, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "qgemm: x must be a 2-D CPU tensor");
-  TORCH_CHECK(fmt >= kI8 && fmt <= kU5, "qgemm: fmt must be 0 (i8), 1 (u4) or 2 (u5)");
-  TORCH_CHECK(group == 32 || (group == 16 && fmt == kI8 && !offsets && zero == 0),
-              "qgemm: groups are 32 k (16 only for i8)");
-  TORCH_CHECK(params >= kF32 && params <= kSuper && (params != kSuper || zero == 0),
-              "qgemm: params must be 0 (float32), 1 (float16) or 2 (superblocks, without a zero point)");
+  TORCH_CHECK(fmt >= kI8 && fmt <= kU6, "qgemm: fmt must be 0 (i8), 1 (u4), 2 (u5) or 3 (u6)");
+  TORCH_CHECK((group == 32 && fmt != kU6) || (group == 16 && ((fmt == kI8 && !offsets && zero == 0) || fmt == kU6)),
+              "qgemm: groups are 32 k (16 for i8 without minimums, and for u6)");
+  TORCH_CHECK(params >= kF32 && params <= kSuper, "qgemm: params must be 0 (float32), 1 (float16) or 2 (superblocks)");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous() &&
                   packed.device().is_cpu(),
               "qgemm: the packed weight must be contiguous uint8 [NB, units, unit bytes] on the CPU");
@@ -254,14 +255,14 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
               "qgemm: activations must be float32, bfloat16 or float16");
   const int64_t ng = Kp / kXGroup;
   const std::unique_ptr<int8_t[]> xq(new int8_t[M * Kp]);
-  const std::unique_ptr<float[]> xd(new float[M * ng * 2]), obuf(new float[M * n]);
-  float* xs = xd.get() + M * ng;
+  const std::unique_ptr<float[]> xd(new float[M * ng * 4]), obuf(new float[M * n]);
+  float *xs = xd.get() + M * ng, *xh = xs + M * ng;
   if (dtype == at::kBFloat16)
-    quantize_rows(xc.const_data_ptr<c10::BFloat16>(), M, K, Kp, xq.get(), xd.get(), xs);
+    quantize_rows(xc.const_data_ptr<c10::BFloat16>(), M, K, Kp, xq.get(), xd.get(), xs, xh);
   else if (dtype == at::kHalf)
-    quantize_rows(xc.const_data_ptr<c10::Half>(), M, K, Kp, xq.get(), xd.get(), xs);
+    quantize_rows(xc.const_data_ptr<c10::Half>(), M, K, Kp, xq.get(), xd.get(), xs, xh);
   else
-    quantize_rows(xc.const_data_ptr<float>(), M, K, Kp, xq.get(), xd.get(), xs);
+    quantize_rows(xc.const_data_ptr<float>(), M, K, Kp, xq.get(), xd.get(), xs, xh);
   std::unique_ptr<uint8_t[]> xu;
   if (kHalves == 1 && fmt == kI8) {  // the 512-bit i8 kernels' unsigned activations
     xu.reset(new uint8_t[M * Kp]);
@@ -274,7 +275,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
   }
   std::unique_ptr<XRow[]> rows(new XRow[M]);
   for (int64_t m = 0; m < M; ++m)
-    rows[m] = {xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng, xu ? xu.get() + m * Kp : nullptr};
+    rows[m] = {xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng, xh + 2 * m * ng,
+               xu ? xu.get() + m * Kp : nullptr};
   const Weights wt{packed.const_data_ptr<uint8_t>(), NBlk, packed.size(1), gbytes, pr, subs};
   at::Tensor out = at::empty({M, n}, xc.options());
   float* o = dtype == at::kFloat ? out.mutable_data_ptr<float>() : obuf.get();
@@ -283,6 +285,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
     if (fmt == kI8 && group == 32) run_format<kI8, 8>(rows.get(), M, wt, o, n);
     if (fmt == kU4) run_format<kU4, 8>(rows.get(), M, wt, o, n);
     if (fmt == kU5) run_format<kU5, 8>(rows.get(), M, wt, o, n);
+    if (fmt == kU6) run_format<kU6, 4>(rows.get(), M, wt, o, n);
   }
   if (dtype == at::kBFloat16) store_row(o, out.mutable_data_ptr<c10::BFloat16>(), M * n);
   if (dtype == at::kHalf) store_row(o, out.mutable_data_ptr<c10::Half>(), M * n);

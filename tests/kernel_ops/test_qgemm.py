@@ -33,10 +33,13 @@ FORMATS = [
     QFormat("u5", zero=16),
     QFormat("u5", offsets=True),
     QFormat("u5", zero=16, half=True),
+    QFormat("u6", group=16, zero=32),
+    QFormat("u6", group=16, offsets=True, half=True),
 ]
 # the K-quants' own parameters: int8 sub-scales (and mins) times a float32 per row and 256 k
 SUPER_FORMATS = [
-    QFormat("i8", group=16, superblock=True),  # Q6_K
+    QFormat("i8", group=16, superblock=True),
+    QFormat("u6", group=16, zero=32, superblock=True),  # Q6_K
     QFormat("u4", offsets=True, superblock=True),  # Q4_K
     QFormat("u5", offsets=True, superblock=True),  # Q5_K
 ]
@@ -54,7 +57,8 @@ def random_weight(fmt: QFormat, n: int, k: int, seed: int) -> tuple[torch.Tensor
     if fmt.kind == "i8":
         q = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
     else:
-        q = torch.randint(0, 16 if fmt.kind == "u4" else 32, (n, k), generator=gen).to(torch.uint8)
+        top = {"u4": 16, "u5": 32, "u6": 64}[fmt.kind]
+        q = torch.randint(0, top, (n, k), generator=gen).to(torch.uint8)
     supers = None
     if fmt.superblock:  # signed 8-bit sub-scales (Q6_K's; 6-bit in Q4_K), 6-bit mins, float16 d and dmin
         lo, hi = (-128, 128) if fmt.kind == "i8" else (0, 64)
