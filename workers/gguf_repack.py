@@ -167,7 +167,7 @@ def _q5_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (ql | (qh << 4)).reshape(n, QK_K), scale, offset, sup
 
 
-def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _q6_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]:
     n = b.shape[0]
     ql_end, qh_end, sc_end = QK_K // 2, QK_K // 2 + QK_K // 4, QK_K // 2 + QK_K // 4 + QK_K // 16
     scales = b[:, qh_end:sc_end].contiguous().view(torch.int8)
