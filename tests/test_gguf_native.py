@@ -20,8 +20,8 @@ from coreproc.gguf_file import GGUFFile
 from kernels.qgemm import QFormat, pack_qweight, pack_qweight_torch, unpack_qweight
 from tools.hf_to_gguf import write_gguf
 from workers.gguf_dequant import dequantize
-from workers.gguf_repack import REPACKABLE, repack, repack_torch
-from workers.gguf_weights import GGUFTensor, iter_gguf
+from workers.gguf_repack import REPACKABLE, concat, repack, repack_torch
+from workers.gguf_weights import GGUFTensor, iter_gguf, pack_tensors
 
 pytestmark = pytest.mark.model
 
@@ -90,6 +90,31 @@ def test_native_load_time_ops_equal_the_torch_ones(native_ops, qtype: int, n: in
         assert got is None or (got.dtype == want.dtype and torch.equal(got, want)), name
     packed = native.pack()
     assert torch.equal(packed, pack_qweight_torch(ref.q, ref.scales, ref.fmt, ref.offsets, ref.supers))
+
+
+@pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
+def test_packing_straight_from_the_bytes_equals_repack_then_pack(native_ops, qtype: int) -> None:
+    """`pack_tensors` (torch.ops.ember.gguf_pack, what a GGUF layer loads with): shards of 16 and 37 rows,
+    a column slice at block boundaries (strided rows) and zero padding rows give the bytes of the parts
+    repacked, stacked and packed; a shard before the last that cuts a block of rows falls back."""
+    block = GGML_QUANT_SIZES[T(qtype)][0]
+    k = 3 * block
+    a, b = (
+        GGUFTensor(random_blocks(qtype, 16, k), qtype, (16, k)),
+        GGUFTensor(random_blocks(qtype, 37, k), qtype, (37, k)),
+    )
+    a.raw, b.raw = a.raw.view(16, -1), b.raw.view(37, -1)
+    got = pack_tensors([a, b], 60)
+    want = concat([a.repack(), b.repack().pad_rows(44)]).pack()
+    assert got is not None and torch.equal(got, want)
+    cut = b.narrow_cols(block, 2 * block)
+    assert cut is not None and not cut.raw.is_contiguous()
+    got = pack_tensors([cut.narrow_rows(3, 30)], 30)
+    assert got is not None and torch.equal(
+        got, b.repack().narrow_cols(block, 2 * block).narrow_rows(3, 30).pack()
+    )
+    assert b.narrow_cols(block // 2, block) is None
+    assert pack_tensors([b, a], 53) is None
 
 
 @pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)

@@ -192,6 +192,11 @@ _REPACK: dict[int, tuple[Callable[[torch.Tensor], tuple], QFormat]] = {
 REPACKABLE: frozenset[int] = frozenset(int(t) for t in _REPACK)
 
 
+def format_of(qtype: int) -> QFormat:
+    """The packed format of a repackable GGUF type."""
+    return _REPACK[qtype][1]
+
+
 def repack(raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> Repacked:
     """A 2-D tensor's stored bytes (uint8, as in the file) -> its integers and group parameters (the
     native op where it runs, else `repack_torch`)."""

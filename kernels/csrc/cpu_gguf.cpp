@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -105,11 +106,12 @@ void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of,
         ss[j] = static_cast<int8_t>(s);
         sm[j] = static_cast<int8_t>(m);
         const uint8_t* src = qs + 32 * (j / 2);
-        for (int w = 0; w < 32; ++w) {
-          uint8_t v = j % 2 ? src[w] >> 4 : src[w] & 0x0F;
-          if (t == kQ5_K) v |= ((qh[w] >> j) & 1) << 4;
-          q[32 * j + w] = v;
-        }
+        const int shift = 4 * (j % 2);
+        uint8_t* o = q + 32 * j;
+        if (t == kQ5_K)
+          for (int w = 0; w < 32; ++w) o[w] = static_cast<uint8_t>(((src[w] >> shift) & 0x0F) | (((qh[w] >> j) & 1) << 4));
+        else
+          for (int w = 0; w < 32; ++w) o[w] = static_cast<uint8_t>((src[w] >> shift) & 0x0F);
       }
       return;
     }
@@ -117,13 +119,15 @@ void decode_block(int64_t t, const uint8_t* b, uint8_t* q, float* sc, float* of,
       const uint8_t *ql = b, *qh = b + 128;
       std::memcpy(ss, b + 192, 16);
       sup[0] = f16(b + 208);
-      // weight i of the block: half c = i / 128; within it, quarter s = (i % 128) / 32, lane w = i % 32
-      for (int i = 0; i < 256; ++i) {
-        const int c = i / 128, s = (i % 128) / 32, w = i % 32;
-        const int lo = s < 2 ? ql[64 * c + 32 * s + w] & 0x0F : ql[64 * c + 32 * (s - 2) + w] >> 4;
-        const int hi = (qh[32 * c + w] >> (2 * s)) & 3;
-        q[i] = static_cast<uint8_t>(lo | (hi << 4));  // u6, zero point 32
-      }
+      // weight 128 c + 32 s + w of the block: low nibble (s < 2) or high (s >= 2) of ql[64 c + 32 (s % 2) + w],
+      // high bits 2 s, 2 s + 1 of qh[32 c + w]; u6 with zero point 32
+      for (int c = 0; c < 2; ++c)
+        for (int s = 0; s < 4; ++s) {
+          const uint8_t *l = ql + 64 * c + 32 * (s % 2), *h = qh + 32 * c;
+          uint8_t* o = q + 128 * c + 32 * s;
+          const int shift = s < 2 ? 0 : 4;
+          for (int w = 0; w < 32; ++w) o[w] = static_cast<uint8_t>(((l[w] >> shift) & 0x0F) | (((h[w] >> (2 * s)) & 3) << 4));
+        }
       return;
     }
     default: TORCH_CHECK(false, "gguf_decode: GGUF type ", t, " is not repacked");
@@ -168,99 +172,248 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gguf_decode(const at:
   return {q, scales, offsets, supers};
 }
 
-// q [N, K] (int8 or uint8: i8 bytes, or u4 / u5 values), scales [N, ceil(K / group)] and offsets (the same
-// or empty); kind 0 i8 / 1 u4 / 2 u5 / 3 u6; params 0 / 1: scales and offsets float32, stored as float32 / float16;
-// 2: int8 sub-scales and sub-mins, with supers float32 [N, K / 256, 1 or 2] (d, -dmin). The layout of
-// kernels/qgemm.pack_qweight: uint8 [NB, units, unit bytes], zero past N and K.
-at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& supers,
-                 int64_t kind, int64_t group, int64_t params) {
-  TORCH_CHECK(q.dim() == 2 && q.device().is_cpu() && q.element_size() == 1, "qpack: q is [N, K] bytes");
+namespace {
+
+// A packed layout's sizes (kernels/qgemm.pack_qweight): kind 0 i8 / 1 u4 / 2 u5 / 3 u6; params 0 / 1:
+// float32 scales and offsets stored as float32 / float16; 2: int8 sub-scales and sub-mins with float32 d
+// (and -dmin) per row and 256 k.
+struct Layout {
+  int64_t kind, group, params, K, Kp, groups, G, steps, P, subs, units, psize, pbytes, data, sbytes, gstride,
+      ubytes;
+  bool sup, has_off;
+};
+
+Layout layout(int64_t kind, int64_t group, int64_t params, int64_t K, bool has_off) {
   TORCH_CHECK(kind >= 0 && kind <= 3 && (group == 32 ? kind != 3 : group == 16 && (kind == 0 || kind == 3)),
               "qpack: bad format");
   TORCH_CHECK(params >= 0 && params <= 2, "qpack: params must be 0, 1 or 2");
-  const bool sup = params == 2;
-  const int64_t N = q.size(0), K = q.size(1), Kp = (K + 31) / 32 * 32, NB = (N + 15) / 16;
-  const int64_t groups = Kp / group, G = scales.size(1), steps = group / 4;
-  const bool has_off = offsets.numel() > 0;
-  const int64_t P = has_off ? 2 : 1, subs = sup ? 256 / group : 1, units = groups / subs;
-  TORCH_CHECK(scales.size(0) == N && G == (K + group - 1) / group, "qpack: one scale per row and group");
-  TORCH_CHECK(!has_off || offsets.sizes() == scales.sizes(), "qpack: offsets shaped as the scales");
-  TORCH_CHECK(!sup || (K % 256 == 0 && scales.scalar_type() == at::kChar &&
-                       (!has_off || offsets.scalar_type() == at::kChar) &&
-                       supers.sizes() == at::IntArrayRef({N, K / 256, P}) && supers.scalar_type() == at::kFloat),
-              "qpack: superblocks need K a multiple of 256, int8 sub-parameters and float32 [N, K / 256, P]");
-  const int64_t psize = params == 0 ? 4 : params == 1 ? 2 : 1, pbytes = P * 16 * psize;
-  const int64_t step_bytes = kind == 0 ? 64 : 32, data = steps * step_bytes + (kind >= 2 ? 64 : 0);
-  const int64_t sbytes = sup ? P * 64 : 0, gstride = pbytes + data, ubytes = sbytes + subs * gstride;
-  const at::Tensor qc = q.contiguous(), sc = sup ? scales.contiguous() : scales.contiguous().to(at::kFloat);
-  const at::Tensor oc = has_off ? (sup ? offsets.contiguous() : offsets.contiguous().to(at::kFloat)) : offsets;
-  const at::Tensor uc = supers.contiguous();
-  at::Tensor out = at::zeros({NB, units, ubytes}, q.options().dtype(at::kByte));
-  const auto* qp = static_cast<const uint8_t*>(qc.const_data_ptr());
-  const float *sp = sup ? nullptr : sc.const_data_ptr<float>();
-  const float *op = has_off && !sup ? oc.const_data_ptr<float>() : nullptr;
-  const auto* ss = sup ? static_cast<const uint8_t*>(sc.const_data_ptr()) : nullptr;
-  const auto* sm = sup && has_off ? static_cast<const uint8_t*>(oc.const_data_ptr()) : nullptr;
-  const float* up = sup ? uc.const_data_ptr<float>() : nullptr;
-  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  Layout f{};
+  f.kind = kind, f.group = group, f.params = params, f.K = K, f.has_off = has_off, f.sup = params == 2;
+  f.Kp = (K + 31) / 32 * 32, f.groups = f.Kp / group, f.G = (K + group - 1) / group, f.steps = group / 4;
+  f.P = has_off ? 2 : 1, f.subs = f.sup ? 256 / group : 1, f.units = f.groups / f.subs;
+  TORCH_CHECK(!f.sup || K % 256 == 0, "qpack: superblocks need K a multiple of 256");
+  f.psize = params == 0 ? 4 : params == 1 ? 2 : 1, f.pbytes = f.P * 16 * f.psize;
+  f.data = f.steps * (kind == 0 ? 64 : 32) + (kind >= 2 ? 64 : 0);
+  f.sbytes = f.sup ? f.P * 64 : 0, f.gstride = f.pbytes + f.data, f.ubytes = f.sbytes + f.subs * f.gstride;
+  return f;
+}
+
+// One block's sources, row r at: q + r * qstride (K bytes), its G parameters at sp / op + r * G (float32)
+// or ss / sm + r * G (int8 with superblocks, and then its supers at up + r * units * P).
+struct BlockSrc {
+  const uint8_t* q;
+  int64_t qstride;
+  const float *sp, *op;
+  const uint8_t *ss, *sm;
+  const float* up;
+  int rows;
+};
+
+// Pack one block of up to 16 rows into dst (units * ubytes bytes, zeroed by the caller); row_buf: Kp bytes.
+void pack_block(const Layout& f, const BlockSrc& s, uint8_t* dst, uint8_t* row_buf) {
   auto put = [&](uint8_t* p, float v) {
-    if (params == 1) {
+    if (f.params == 1) {
       const uint16_t bits = c10::Half(v).x;
       std::memcpy(p, &bits, 2);
     } else {
       std::memcpy(p, &v, 4);
     }
   };
-  // per row of a block: its bytes zero-padded to Kp, then 4 k at a time into each step (as uint32)
+  const int64_t G = f.G, steps = f.steps;
+  // per row: its bytes zero-padded to Kp, then 4 k at a time into each step (as uint32)
+  for (int r = 0; r < s.rows; ++r) {
+    std::memcpy(row_buf, s.q + r * s.qstride, f.K);
+    std::fill(row_buf + f.K, row_buf + f.Kp, 0);
+    const int h = r / 8, i = r % 8;
+    for (int64_t g = 0; g < f.groups; ++g) {
+      uint8_t* head = dst + (g / f.subs) * f.ubytes;
+      uint8_t* o = head + f.sbytes + (g % f.subs) * f.gstride;
+      if (f.sup) {
+        o[r] = s.ss[r * G + g];
+        if (f.has_off) o[16 + r] = s.sm[r * G + g];
+        if (g % f.subs == 0)
+          for (int64_t p = 0; p < f.P; ++p)
+            std::memcpy(head + 64 * p + 4 * r, s.up + (r * f.units + g / f.subs) * f.P + p, 4);
+      } else if (g < G) {
+        put(o + r * f.psize, s.sp[r * G + g]);
+        if (f.has_off) put(o + (16 + r) * f.psize, s.op[r * G + g]);
+      }
+      uint8_t* d = o + f.pbytes;
+      for (int64_t st = 0; st < steps; ++st) {
+        uint32_t v, w;
+        std::memcpy(&v, row_buf + (g * steps + st) * 4, 4);
+        if (f.kind == 0) {
+          std::memcpy(d + st * 64 + 32 * h + 4 * i, &v, 4);
+          continue;
+        }
+        uint8_t* nib = d + st * 32 + 4 * i;
+        std::memcpy(&w, nib, 4);
+        w |= (v & 0x0F0F0F0Fu) << (4 * h);
+        std::memcpy(nib, &w, 4);
+        if (f.kind >= 2) {  // u5: bit st of each byte the fifth bit; u6: bits 2 st, 2 st + 1 the high two
+          uint8_t* plane = d + steps * 32 + 32 * h + 4 * i;
+          std::memcpy(&w, plane, 4);
+          w |= f.kind == 2 ? ((v >> 4) & 0x01010101u) << st : ((v >> 4) & 0x03030303u) << (2 * st);
+          std::memcpy(plane, &w, 4);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q [N, K] (int8 or uint8: i8 bytes, or u4 / u5 / u6 values), scales [N, ceil(K / group)] and offsets (the
+// same or empty), supers float32 [N, K / 256, 1 or 2] (d, -dmin) with params 2 (see Layout). The layout of
+// kernels/qgemm.pack_qweight: uint8 [NB, units, unit bytes], zero past N and K.
+at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& offsets, const at::Tensor& supers,
+                 int64_t kind, int64_t group, int64_t params) {
+  TORCH_CHECK(q.dim() == 2 && q.device().is_cpu() && q.element_size() == 1, "qpack: q is [N, K] bytes");
+  const int64_t N = q.size(0), NB = (N + 15) / 16;
+  const bool has_off = offsets.numel() > 0;
+  const Layout f = layout(kind, group, params, q.size(1), has_off);
+  TORCH_CHECK(scales.size(0) == N && scales.size(1) == f.G, "qpack: one scale per row and group");
+  TORCH_CHECK(!has_off || offsets.sizes() == scales.sizes(), "qpack: offsets shaped as the scales");
+  TORCH_CHECK(!f.sup || (scales.scalar_type() == at::kChar && (!has_off || offsets.scalar_type() == at::kChar) &&
+                         supers.sizes() == at::IntArrayRef({N, f.K / 256, f.P}) &&
+                         supers.scalar_type() == at::kFloat),
+              "qpack: superblocks need int8 sub-parameters and float32 supers [N, K / 256, P]");
+  const at::Tensor qc = q.contiguous(), sc = f.sup ? scales.contiguous() : scales.contiguous().to(at::kFloat);
+  const at::Tensor oc = has_off ? (f.sup ? offsets.contiguous() : offsets.contiguous().to(at::kFloat)) : offsets;
+  const at::Tensor uc = supers.contiguous();
+  at::Tensor out = at::zeros({NB, f.units, f.ubytes}, q.options().dtype(at::kByte));
+  const auto* qp = static_cast<const uint8_t*>(qc.const_data_ptr());
+  const float* sp = f.sup ? nullptr : sc.const_data_ptr<float>();
+  const float* op = has_off && !f.sup ? oc.const_data_ptr<float>() : nullptr;
+  const auto* ss = f.sup ? static_cast<const uint8_t*>(sc.const_data_ptr()) : nullptr;
+  const auto* sm = f.sup && has_off ? static_cast<const uint8_t*>(oc.const_data_ptr()) : nullptr;
+  const float* up = f.sup ? uc.const_data_ptr<float>() : nullptr;
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> row_buf(Kp);
-    for (int64_t b = b0; b < b1; ++b)
-      for (int r = 0; r < 16; ++r) {
-        const int64_t row = b * 16 + r;
-        if (row >= N) break;
-        std::memcpy(row_buf.data(), qp + row * K, K);
-        std::fill(row_buf.begin() + K, row_buf.end(), 0);
-        const int h = r / 8, i = r % 8;
-        for (int64_t g = 0; g < groups; ++g) {
-          uint8_t* head = dst + (b * units + g / subs) * ubytes;
-          uint8_t* o = head + sbytes + (g % subs) * gstride;
-          if (sup) {
-            o[r] = ss[row * G + g];
-            if (has_off) o[16 + r] = sm[row * G + g];
-            if (g % subs == 0)
-              for (int64_t p = 0; p < P; ++p) std::memcpy(head + 64 * p + 4 * r, up + (row * units + g / subs) * P + p, 4);
-          } else if (g < G) {
-            put(o + r * psize, sp[row * G + g]);
-            if (has_off) put(o + (16 + r) * psize, op[row * G + g]);
-          }
-          uint8_t* d = o + pbytes;
-          for (int64_t st = 0; st < steps; ++st) {
-            uint32_t v;
-            std::memcpy(&v, row_buf.data() + (g * steps + st) * 4, 4);
-            uint32_t w;
-            if (kind == 0) {
-              std::memcpy(d + st * 64 + 32 * h + 4 * i, &v, 4);
-              continue;
-            }
-            uint8_t* nib = d + st * 32 + 4 * i;
-            std::memcpy(&w, nib, 4);
-            w |= (v & 0x0F0F0F0Fu) << (4 * h);
-            std::memcpy(nib, &w, 4);
-            if (kind >= 2) {  // u5: bit st of each byte the fifth bit; u6: bits 2 st, 2 st + 1 the high two
-              uint8_t* plane = d + steps * 32 + 32 * h + 4 * i;
-              std::memcpy(&w, plane, 4);
-              w |= kind == 2 ? ((v >> 4) & 0x01010101u) << st : ((v >> 4) & 0x03030303u) << (2 * st);
-              std::memcpy(plane, &w, 4);
-            }
+    std::vector<uint8_t> row_buf(f.Kp);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * 16, G = f.G;
+      BlockSrc s{qp + r0 * f.K,
+                 f.K,
+                 sp ? sp + r0 * G : nullptr,
+                 op ? op + r0 * G : nullptr,
+                 ss ? ss + r0 * G : nullptr,
+                 sm ? sm + r0 * G : nullptr,
+                 up ? up + r0 * f.units * f.P : nullptr,
+                 static_cast<int>(std::min<int64_t>(16, N - r0))};
+      pack_block(f, s, dst + b * f.units * f.ubytes, row_buf.data());
+    }
+  });
+  return out;
+}
+
+// A GGUF tensor's rows straight into the packed layout, 16 rows at a time (no [N, K] integers in between):
+// raw uint8 [n, row bytes] (rows may be strided: a column slice at block boundaries), its GGUF type and
+// shape, the format (kind, group, params as for qpack; they must be the type's), and out uint8
+// [ceil(n / 16), units, unit bytes] (contiguous: a range of blocks of a layer's packed weight), which
+// is overwritten: the same bytes as qpack of gguf_decode's tensors.
+void gguf_pack(const at::Tensor& raw, int64_t type, int64_t n, int64_t k, const at::Tensor& out, int64_t kind,
+               int64_t group, int64_t params) {
+  const TypeInfo ti = type_info(type);
+  const int64_t per_row = k / ti.block;
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.stride(1) == 1,
+              "gguf_pack: raw is uint8 CPU rows");
+  TORCH_CHECK(k % ti.block == 0 && raw.size(0) == n && raw.size(1) == per_row * ti.bytes,
+              "gguf_pack: whole blocks");
+  TORCH_CHECK(group == ti.group && (params == 2) == ti.super() && (params == 1) == !ti.super(),
+              "gguf_pack: the format is not the type's");
+  const Layout f = layout(kind, group, params, k, ti.offsets);
+  const int64_t NB = (n + 15) / 16, G = f.G, pper = ti.block / ti.group, psize = ti.super() ? 1 : 4;
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kByte &&
+                  out.sizes() == at::IntArrayRef({NB, f.units, f.ubytes}),
+              "gguf_pack: out is uint8 [blocks, units, unit bytes]");
+  const uint8_t* src = raw.const_data_ptr<uint8_t>();
+  const int64_t rstride = raw.stride(0);
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<uint8_t> q(16 * k), row_buf(f.Kp), sc(16 * G * psize), of(16 * G * psize);
+    std::vector<float> up(16 * f.units * f.P);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int rows = static_cast<int>(std::min<int64_t>(16, n - b * 16));
+      for (int r = 0; r < rows; ++r) {
+        const uint8_t* row = src + (b * 16 + r) * rstride;
+        for (int64_t j = 0; j < per_row; ++j) {
+          uint8_t* s = sc.data() + (r * G + j * pper) * psize;
+          uint8_t* o = of.data() + (r * G + j * pper) * psize;
+          decode_block(type, row + j * ti.bytes, q.data() + r * k + j * ti.block, reinterpret_cast<float*>(s),
+                       reinterpret_cast<float*>(o), reinterpret_cast<int8_t*>(s), reinterpret_cast<int8_t*>(o),
+                       up.data() + (r * f.units + j) * f.P);
+        }
+      }
+      const bool sup = f.sup;
+      BlockSrc s{q.data(),
+                 k,
+                 sup ? nullptr : reinterpret_cast<const float*>(sc.data()),
+                 sup ? nullptr : reinterpret_cast<const float*>(of.data()),
+                 sup ? sc.data() : nullptr,
+                 sup ? of.data() : nullptr,
+                 up.data(),
+                 rows};
+      uint8_t* block = dst + b * f.units * f.ubytes;
+      std::memset(block, 0, f.units * f.ubytes);
+      pack_block(f, s, block, row_buf.data());
+    }
+  });
+}
+
+// A GGUF tensor's values into out (float32 or bfloat16 [n, k]): per block, the integers and parameters of
+// gguf_decode, then (q - zero) * scale, or q * scale + offset (scale = d * sub-scale, offset = -dmin *
+// sub-min for the K-quants), in float32 and in that order (never fused into one rounding: the values of
+// workers/gguf_repack.Repacked.dequantize bit for bit), rounded to out's dtype last. An embedding's rows.
+__attribute__((optimize("fp-contract=off"))) void gguf_dequant(const at::Tensor& raw, int64_t type, int64_t n,
+                                                                int64_t k, const at::Tensor& out) {
+  const TypeInfo ti = type_info(type);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte, "gguf_dequant: uint8 CPU bytes");
+  TORCH_CHECK(k % ti.block == 0 && raw.numel() == n * (k / ti.block) * ti.bytes, "gguf_dequant: whole blocks");
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == at::IntArrayRef({n, k}) &&
+                  (bf16 || out.scalar_type() == at::kFloat),
+              "gguf_dequant: out is float32 or bfloat16 [n, k]");
+  const at::Tensor rc = raw.contiguous();
+  const uint8_t* src = rc.const_data_ptr<uint8_t>();
+  const int64_t per_row = k / ti.block, pper = ti.block / ti.group;
+  const float zero = type == kQ4_0 ? 8.f : type == kQ5_0 ? 16.f : type == kQ6_K ? 32.f : 0.f;
+  void* dst = out.mutable_data_ptr();
+  at::parallel_for(0, n * per_row, 64, [&](int64_t b0, int64_t b1) {
+    uint8_t q[256];
+    float sc[16], of[16], sup[2], w[256];
+    int8_t ss[16], sm[16];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      decode_block(type, src + blk * ti.bytes, q, sc, of, ss, sm, sup);
+      for (int64_t g = 0; g < pper; ++g) {
+        const float scale = ti.super() ? static_cast<float>(ss[g]) * sup[0] : sc[g];
+        const float offset = ti.super() && ti.offsets ? static_cast<float>(sm[g]) * sup[1] : of[g];
+        for (int j = 0; j < ti.group; ++j) {
+          const int i = g * ti.group + j;
+          const float v = type == kQ8_0 ? static_cast<float>(static_cast<int8_t>(q[i])) : static_cast<float>(q[i]);
+          if (ti.offsets) {
+            const float t = v * scale;
+            w[i] = t + offset;
+          } else {
+            w[i] = (v - zero) * scale;
           }
         }
       }
+      if (bf16) {
+        auto* o = static_cast<c10::BFloat16*>(dst) + blk * ti.block;
+        for (int i = 0; i < ti.block; ++i) o[i] = c10::BFloat16(w[i]);
+      } else {
+        std::memcpy(static_cast<float*>(dst) + blk * ti.block, w, ti.block * sizeof(float));
+      }
+    }
   });
-  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def("gguf_decode(Tensor raw, int type, int n, int k) -> (Tensor, Tensor, Tensor, Tensor)", gguf_decode);
   m.def("qpack(Tensor q, Tensor scales, Tensor offsets, Tensor supers, int kind, int group, int params) -> Tensor",
         qpack);
+  m.def("gguf_pack(Tensor raw, int type, int n, int k, Tensor(a!) out, int kind, int group, int params) -> ()",
+        gguf_pack);
+  m.def("gguf_dequant(Tensor raw, int type, int n, int k, Tensor(a!) out) -> ()", gguf_dequant);
 }

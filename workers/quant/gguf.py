@@ -2,14 +2,14 @@
 
 Runs in worker processes (and the preload daemon). Chosen for a GGUF checkpoint on the CPU fast path
 when no `--quantization` is given. The loader hands each layer its tensors' stored bytes
-(`workers.gguf_weights.GGUFTensor`, through `load_quantized`), which are repacked exactly
-(`workers.gguf_repack`) and sliced for this rank (rows of a fused projection's shard, inputs of a
-row-parallel layer at group boundaries, a vocabulary shard). After loading, the shards of a layer that
-share a format are packed together (`kernels.qgemm`); a fused layer whose shards differ (Q5_0 q and k,
-Q8_0 v) keeps one segment per format, all in one flat uint8 tensor described by `quant_attrs`, and its
-matmul concatenates the segments' outputs. A layer the file stores in floats (F16 / F32) gets the
-packed bf16 matmul. The LM head is packed like any layer (tied heads too: the embedding keeps its
-dequantized rows).
+(`workers.gguf_weights.GGUFTensor`, through `load_quantized`), sliced for this rank (rows of a fused
+projection's shard, inputs of a row-parallel layer at group boundaries, a vocabulary shard). After
+loading, the shards of a layer that share a format are packed together (`kernels.qgemm`): natively
+straight from the file's bytes (`workers.gguf_weights.pack_tensors`), else repacked exactly first
+(`workers.gguf_repack`). A fused layer whose shards differ (Q5_0 q and k, Q8_0 v) keeps one segment per
+format, all in one flat uint8 tensor described by `quant_attrs`, and its matmul concatenates the
+segments' outputs. A layer the file stores in floats (F16 / F32) gets the packed bf16 matmul. The LM
+head is packed like any layer (tied heads too: the embedding keeps its dequantized rows).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from kernels.cpu_gemm import gemm_bf16, pack_bf16
 from kernels.qgemm import QFormat, qgemm
 from workers.gguf_repack import Repacked, concat
-from workers.gguf_weights import GGUFTensor
+from workers.gguf_weights import GGUFTensor, pack_tensors
 from workers.quant.base import QuantLayer, QuantMethod
 from workers.quant.qpacked import qformat
 
@@ -40,9 +40,9 @@ class GGUFPacked(QuantMethod):
         return self
 
     def load_quantized(self, layer: QuantLayer, tensor: GGUFTensor, shard: int | None) -> None:
-        """Keep this rank's part of a checkpoint tensor, repacked, until the layer is processed."""
-        part = tensor.repack()
-        parts: dict[int, Repacked] = layer.__dict__.setdefault(PARTS, {})
+        """Keep this rank's part of a checkpoint tensor (its bytes, or repacked where a slice cuts the
+        type's blocks) and the rows it fills until the layer is processed."""
+        parts: dict[int, tuple[GGUFTensor | Repacked, int]] = layer.__dict__.setdefault(PARTS, {})
         mod: Any = layer  # a ColumnLinear, RowLinear or LMHead (their sizes, by duck typing)
         tp = getattr(mod, "tp", None)
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
@@ -52,24 +52,28 @@ class GGUFPacked(QuantMethod):
             rows, k = local_sizes[index], int(mod.weight.shape[1])
             if tensor.shape != (rows * size, k):
                 raise ValueError(f"shape {tensor.shape} does not match expected {(rows * size, k)}")
-            parts[index] = part.narrow_rows(rank * rows, rows)
+            parts[index] = tensor.narrow_rows(rank * rows, rows), rows
         elif hasattr(mod, "local_in"):  # RowLinear: this rank's inputs
             n, k = int(mod.weight.shape[0]), mod.local_in
             if tensor.shape != (n, k * size):
                 raise ValueError(f"shape {tensor.shape} does not match expected {(n, k * size)}")
-            try:
-                parts[0] = part.narrow_cols(rank * k, k)
-            except ValueError as e:
-                raise ValueError(f"{tensor.type_name}: tensor parallelism over {size} ranks: {e}") from None
+            part: GGUFTensor | Repacked | None = tensor.narrow_cols(rank * k, k)
+            if part is None:  # not whole blocks: exact integers, then a slice at group boundaries
+                try:
+                    part = tensor.repack().narrow_cols(rank * k, k)
+                except ValueError as e:
+                    what = f"{tensor.type_name}: tensor parallelism over {size} ranks"
+                    raise ValueError(f"{what}: {e}") from None
+            parts[0] = part, n
         else:  # LMHead: this rank's vocabulary rows, zero past the vocabulary
             vocab, hidden = mod.vocab_size, int(mod.weight.shape[1])
             if tensor.shape != (vocab, hidden):
                 raise ValueError(f"shape {tensor.shape} does not match expected {(vocab, hidden)}")
             rows = max(0, min(mod.local_vocab, vocab - mod.start))
-            parts[0] = part.narrow_rows(mod.start, rows).pad_rows(mod.local_vocab)
+            parts[0] = tensor.narrow_rows(mod.start, rows), mod.local_vocab
 
     def process_weights_after_loading(self, layer: QuantLayer) -> None:
-        parts: dict[int, Repacked] = layer.__dict__.pop(PARTS, {})
+        parts: dict[int, tuple[GGUFTensor | Repacked, int]] = layer.__dict__.pop(PARTS, {})
         n, k = (int(s) for s in layer.weight.shape)
         if not parts:  # stored in floats
             self.replace(layer, "weight", pack_bf16(layer.weight.data))
@@ -78,23 +82,24 @@ class GGUFPacked(QuantMethod):
         expected = len(getattr(layer, "local_sizes", [0]))
         if len(parts) != expected:
             raise ValueError(f"a fused layer mixes quantized and float shards ({len(parts)} of {expected})")
-        runs: list[list[Repacked]] = []
+        runs: list[list[tuple[GGUFTensor | Repacked, int]]] = []
         for index in sorted(parts):
-            part = parts[index]
-            if runs and runs[-1][0].fmt == part.fmt:
-                runs[-1].append(part)
+            if runs and runs[-1][0][0].fmt == parts[index][0].fmt:
+                runs[-1].append(parts[index])
             else:
-                runs.append([part])
+                runs.append([parts[index]])
         packed: list[torch.Tensor] = []
         segments: list[dict[str, Any]] = []
         offset = 0
         for run in runs:
-            whole = concat(run)
-            blocks = whole.pack()
+            rows, fmt = sum(r for _, r in run), run[0][0].fmt
+            lazy = [p for p, _ in run if isinstance(p, GGUFTensor)]
+            blocks = pack_tensors(lazy, rows) if len(lazy) == len(run) else None
+            if blocks is None:  # repacked first, then packed
+                whole = concat([as_repacked(p).pad_rows(r) for p, r in run])
+                blocks = whole.pack()
             packed.append(blocks.reshape(-1))
-            segments.append(
-                {"rows": whole.rows, "offset": offset, "shape": list(blocks.shape), **whole.fmt.attrs()}
-            )
+            segments.append({"rows": rows, "offset": offset, "shape": list(blocks.shape), **fmt.attrs()})
             offset += blocks.numel()
         assert sum(s["rows"] for s in segments) == n, "the parts fill the layer"
         self.replace(layer, "weight", torch.cat(packed) if len(packed) > 1 else packed[0])
@@ -125,3 +130,7 @@ class GGUFPacked(QuantMethod):
         else:
             y = torch.cat([qgemm(x, *v) for v in views], dim=-1)
         return y if bias is None else y + bias
+
+
+def as_repacked(part: GGUFTensor | Repacked) -> Repacked:
+    return part.repack() if isinstance(part, GGUFTensor) else part
