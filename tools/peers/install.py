@@ -149,11 +149,16 @@ def llamacpp_build(work_dir: Path, install: bool, jobs: int) -> tuple[Path, Path
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     options = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"]
     options += ["-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"]
+    if "amx_tile" in cpu_flags():
+        # its AMX kernels die of SIGILL (tilezero in tinygemm_kernel_amx) on the AMX machines tried,
+        # while a plain ldtilecfg + tilezero runs there: build its AVX-512 kernels instead
+        no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        options += [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
     configure = ["cmake", "-S", str(src), "-B", str(build), *generator, *options]
     run_step("cmake configure llama.cpp", configure, log_file, prefix)
     run_step(
         f"cmake build {BENCH_TARGET} (several minutes on 2 cores)",
-        ["cmake", "--build", str(build), "--target", BENCH_TARGET, "-j", str(jobs)],
+        ["cmake", "--build", str(build), "--target", BENCH_TARGET, "llama-quantize", "-j", str(jobs)],
         log_file,
         prefix,
     )
@@ -161,6 +166,18 @@ def llamacpp_build(work_dir: Path, install: bool, jobs: int) -> tuple[Path, Path
         raise PeerError(f"{prefix}build finished but {binary} is missing")
     log(f"built {binary}")
     return binary, src
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def checkpoint_key(model_dir: Path, outtype: str) -> str:
