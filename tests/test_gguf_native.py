@@ -127,6 +127,27 @@ def test_native_dequantize_equals_the_reference(native_ops, qtype: int, dtype: t
     assert got.dtype == dtype and torch.equal(got, dequantize(raw, qtype, (n, k), dtype))
 
 
+@pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)
+def test_embedding_shards_decode_the_rows_they_look_up(native_ops, qtype: int) -> None:
+    """A GGUF embedding keeps each rank's rows as stored (the last rank's padded past the vocabulary)
+    and a lookup equals the reference dequantization of those rows; padding rows look up as zeros."""
+    from workers.models.layers import VocabEmbedding
+    from workers.parallel import TPGroup
+
+    vocab, k = 37, 2 * GGML_QUANT_SIZES[T(qtype)][0]
+    raw = random_blocks(qtype, vocab, k)
+    ref = dequantize(raw, qtype, (vocab, k), torch.bfloat16)
+    for rank in range(2):
+        with torch.device("cpu"):
+            emb = VocabEmbedding(vocab, k, TPGroup(rank=rank, size=2)).to(torch.bfloat16)
+        emb.load_gguf(GGUFTensor(raw.view(vocab, -1), qtype, (vocab, k)))
+        assert emb.weight.dtype == torch.uint8 and emb.out_dtype == torch.bfloat16
+        local = torch.tensor([[0, 3], [emb.local_vocab - 1, 2]])
+        want = torch.cat([ref, torch.zeros(1, k, dtype=torch.bfloat16)])[local + emb.start]
+        assert torch.equal(emb.lookup(local), want)
+    assert rank == 1 and emb.start + emb.local_vocab == vocab + 1  # the last rank has a padding row
+
+
 @pytest.mark.parametrize(
     "fmt",
     [
@@ -193,8 +214,13 @@ def test_layers_hold_the_files_bits(native_ops, gguf_files, arch: str, qtype: st
         head = file_tensors[head_name]
         assert isinstance(head, GGUFTensor)
         assert torch.equal(unpacked(net.lm_head)[: head.shape[0]], head.dequantize())
-        embedding = net.model.embed_tokens.weight
-        assert embedding.dtype == torch.bfloat16 and embedding.dim() == 2  # dequantized rows for lookups
+        # the embedding keeps the file's rows as stored and decodes the rows it looks up
+        embedding = net.model.embed_tokens
+        stored = file_tensors["model.embed_tokens.weight"]
+        assert embedding.weight.dtype == torch.uint8 and embedding.out_dtype == torch.bfloat16
+        assert embedding.quant_attrs["gguf_type"] == stored.qtype
+        ids = torch.tensor([[0, 5, stored.shape[0] - 1], [7, 7, 1]])
+        assert torch.equal(embedding(ids), stored.dequantize(torch.bfloat16)[ids])
 
 
 def unpacked(module) -> torch.Tensor:

@@ -450,6 +450,8 @@ def test_gguf_own_bits_come_from_the_cache(make_ckpt, tmp_path):
             qkv = net.model.layers[0].self_attn.qkv_proj
             assert type(qkv.quant).__name__ == "GGUFPacked" and qkv.weight.dtype == torch.uint8
             assert [s["kind"] for s in qkv.quant_attrs["segments"]] == ["u5"]
+            embedding = net.model.embed_tokens  # its rows as stored, decoded at lookup
+            assert embedding.weight.dtype == torch.uint8 and embedding.out_dtype == torch.bfloat16
             assert tokens(cached) == expected
     finally:
         stop(proc)

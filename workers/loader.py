@@ -26,7 +26,7 @@ from coreproc.gguf_file import GGUFFile, is_gguf
 from kernels import AttentionBackend
 from workers.gguf_weights import GGUFTensor, iter_gguf
 from workers.models import resolve
-from workers.models.layers import weight_loader_of
+from workers.models.layers import LMHead, VocabEmbedding, weight_loader_of
 from workers.models.llama import LlamaForCausalLM
 from workers.parallel import TPGroup
 from workers.quant import make_method
@@ -143,13 +143,16 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
 def load_quantized(
     modules: list[nn.Module], tensor: GGUFTensor, shard: Any, dtype: torch.dtype
 ) -> torch.Tensor | None:
-    """Hand a GGUF tensor's bytes to the modules whose method repacks them; the dequantized tensor in
-    the parameter's dtype when another module needs the values (an embedding), else None."""
+    """Hand a GGUF tensor's bytes to the modules whose method repacks them and to an embedding (which
+    keeps its rows as stored); the dequantized tensor in the parameter's dtype when another module
+    needs the values, else None."""
     plain = False
     for module in modules:
         load = getattr(getattr(module, "quant", None), "load_quantized", None)
         if load is not None:
             load(module, tensor, shard)
+        elif isinstance(module, VocabEmbedding) and not isinstance(module, LMHead):
+            module.load_gguf(tensor)
         else:
             plain = True
     return tensor.dequantize(dtype) if plain or not modules else None

@@ -168,7 +168,7 @@ class FusedDecode:
 def plan(model: LlamaForCausalLM) -> FusedDecode | None:
     """The one-call layers of a bf16 model when every layer qualifies, else None."""
     body = model.model
-    dtype = body.embed_tokens.weight.dtype
+    dtype = body.embed_tokens.out_dtype
     if dtype != torch.bfloat16:
         return None
     plans = [layer_plan(layer, dtype) for layer in body.layers]

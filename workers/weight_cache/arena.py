@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from coreproc.protocol import CacheTensor
+from workers.models.layers import VocabEmbedding
 from workers.quant.base import QuantLayer
 
 ALIGN = 64
@@ -63,11 +64,11 @@ def named_tensors(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor]]
 
 
 def module_attrs(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Each quantized layer's non-empty `quant_attrs`, by module name."""
+    """Each quantized layer's (and a GGUF embedding's) non-empty `quant_attrs`, by module name."""
     return {
         name: dict(m.quant_attrs)
         for name, m in model.named_modules()
-        if isinstance(m, QuantLayer) and getattr(m, "quant_attrs", None)
+        if isinstance(m, (QuantLayer, VocabEmbedding)) and getattr(m, "quant_attrs", None)
     }
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from coreproc.config import EngineConfig
 from coreproc.protocol import CacheReply, CacheRequest
 from kernels import AttentionBackend
+from workers.models.layers import VocabEmbedding
 from workers.parallel import TPGroup
 from workers.quant.base import QuantLayer
 from workers.weight_cache.arena import import_cpu, import_cuda, install, keep_mapping
@@ -140,7 +141,7 @@ def load_from_cache(
     install(model, tensors, reply.tensors, reply.aliases)
     for name, attrs in reply.module_attrs.items():
         layer = model.get_submodule(name)
-        if not isinstance(layer, QuantLayer):
+        if not isinstance(layer, (QuantLayer, VocabEmbedding)):
             raise CacheUnavailable(f"the cache has quantization attributes for {name}, not a quantized layer")
         layer.quant_attrs = attrs
     for module in model.modules():
