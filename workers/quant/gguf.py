@@ -9,7 +9,8 @@ straight from the file's bytes (`workers.gguf_weights.pack_tensors`), else repac
 (`workers.gguf_repack`). A fused layer whose shards differ (Q5_0 q and k, Q8_0 v) keeps one segment per
 format, all in one flat uint8 tensor described by `quant_attrs`, and its matmul concatenates the
 segments' outputs. A layer the file stores in floats (F16 / F32) gets the packed bf16 matmul. The LM
-head is packed like any layer (tied heads too: the embedding keeps its dequantized rows).
+head is packed like any layer (tied heads too: the embedding keeps the stored rows and decodes
+those it looks up).
 """
 
 from __future__ import annotations
