@@ -34,6 +34,11 @@ constexpr int kBlock = 16;   // output rows per packed block
 constexpr int kMaxRows = 6;  // rows of x per micro-kernel call
 constexpr int64_t kRowChunk = 96;  // rows of x kept hot (L2) while a thread walks its weight blocks
 constexpr int64_t kChunkK = 256;   // k steps per pass over a block: its widened slice (16 KiB) stays in L1
+#if defined(__AVX512F__)
+constexpr int64_t kFewRows = 8;  // rows that take the row-major few-row tiles (AVX-512: 32 registers)
+#else
+constexpr int64_t kFewRows = 3;
+#endif
 
 // Weight formats of a block: already widened to float32 [K, 16], packed bf16, packed fp8.
 enum Fmt { kF32 = 0, kBf16 = 1, kFp8 = 2 };
@@ -107,8 +112,20 @@ void micro(const float* x, const uint8_t* w, int64_t kn, float* acc, bool first)
 #undef EMBER_LOAD
 #undef EMBER_STORE
 
+#include "cpu_gemm512.h"
+
 template <int F>
 void rows(int R, const float* x, const uint8_t* w, int64_t kn, float* acc, bool first) {
+#if defined(__AVX512F__)
+  switch (R) {
+    case 1: return micro16<1, F>(x, w, kn, acc, first);
+    case 2: return micro16<2, F>(x, w, kn, acc, first);
+    case 3: return micro16<3, F>(x, w, kn, acc, first);
+    case 4: return micro16<4, F>(x, w, kn, acc, first);
+    case 5: return micro16<5, F>(x, w, kn, acc, first);
+    default: return micro16<6, F>(x, w, kn, acc, first);
+  }
+#endif
   switch (R) {
     case 1: return micro<1, F>(x, w, kn, acc, first);
     case 2: return micro<2, F>(x, w, kn, acc, first);
@@ -166,23 +183,31 @@ void tile(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float scale,
   }
 }
 
-// R (1..3) rows: groups of G = 4 / 3 / 2 blocks, the last few blocks one at a time.
+// R (1..kFewRows) rows: groups of G = 4 / 3 / 2 blocks (AVX-512: 8 for one row, 4 up to four, else
+// 2), the last few blocks one at a time.
 template <int R, int F>
 void few_rows(const float* x, int64_t ldx, const uint8_t* wp, int64_t K, int64_t NB, float scale, float* out,
               int64_t ldo, int64_t n) {
+#if defined(__AVX512F__)
+  constexpr int G = R == 1 ? 8 : R <= 4 ? 4 : 2;
+#define EMBER_TILE tile16
+#else
   constexpr int G = R == 1 ? 4 : R == 2 ? 3 : 2;
+#define EMBER_TILE tile
+#endif
   const int64_t groups = (NB + G - 1) / G;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g * G;
       if (b + G <= NB) {
-        tile<R, G, F>(x, ldx, wp + b * K * block_bytes(F), K, scale, out, ldo, b * kBlock, n);
+        EMBER_TILE<R, G, F>(x, ldx, wp + b * K * block_bytes(F), K, scale, out, ldo, b * kBlock, n);
         continue;
       }
       for (int64_t t = b; t < NB; ++t)
-        tile<R, 1, F>(x, ldx, wp + t * K * block_bytes(F), K, scale, out, ldo, t * kBlock, n);
+        EMBER_TILE<R, 1, F>(x, ldx, wp + t * K * block_bytes(F), K, scale, out, ldo, t * kBlock, n);
     }
   });
+#undef EMBER_TILE
 }
 
 // Row tiles of a chunk of mc rows (4..kRowChunk), as even as possible (32 rows: 6 6 5 5 5 5, not
@@ -263,7 +288,7 @@ void prepare_rows(const T* x, int64_t M, int64_t K, float* rowbuf, float* pan) {
   std::vector<std::pair<int64_t, int>> panels;
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t mc = std::min(kRowChunk, M - m0);
-    if (mc <= 3) {
+    if (mc <= kFewRows) {
       for (int64_t m = m0; m < m0 + mc && rowbuf != nullptr; ++m) load_row(x + m * K, rowbuf + m * K, K);
       continue;
     }
@@ -294,7 +319,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
               "gemm: activations must be float32, bfloat16 or float16");
   if (K == 0) return at::zeros({M, n}, xc.options());  // the k passes below would not start
   // uninitialised buffers (every element used is written first)
-  const std::unique_ptr<float[]> rowbuf(f32 ? nullptr : new float[M * K]), pan(M > 3 ? new float[M * K] : nullptr),
+  const std::unique_ptr<float[]> rowbuf(f32 ? nullptr : new float[M * K]), pan(M > kFewRows ? new float[M * K] : nullptr),
       obuf(f32 ? nullptr : new float[M * n]);
   if (dtype == at::kBFloat16)
     prepare_rows(xc.const_data_ptr<c10::BFloat16>(), M, K, rowbuf.get(), pan.get());
@@ -310,10 +335,19 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
     const int64_t mc = std::min(kRowChunk, M - m0);
     const float* x0 = xrows + m0 * K;
     float* o0 = op + m0 * n;
-    if (mc == 1) few_rows<1, F>(x0, K, wp, K, NB, scale, o0, n, n);
-    if (mc == 2) few_rows<2, F>(x0, K, wp, K, NB, scale, o0, n, n);
-    if (mc == 3) few_rows<3, F>(x0, K, wp, K, NB, scale, o0, n, n);
-    if (mc > 3) many_rows<F>(pan.get() + m0 * K, mc, K, wp, NB, scale, o0, n, n);
+    switch (mc <= kFewRows ? mc : 0) {
+      case 1: few_rows<1, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+      case 2: few_rows<2, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+      case 3: few_rows<3, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+#if defined(__AVX512F__)
+      case 4: few_rows<4, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+      case 5: few_rows<5, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+      case 6: few_rows<6, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+      case 7: few_rows<7, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+      case 8: few_rows<8, F>(x0, K, wp, K, NB, scale, o0, n, n); break;
+#endif
+      default: many_rows<F>(pan.get() + m0 * K, mc, K, wp, NB, scale, o0, n, n);
+    }
   }
   if (dtype == at::kBFloat16)
     store_row(obuf.get(), out.mutable_data_ptr<c10::BFloat16>(), M * n);
