@@ -170,6 +170,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # n-gram: shortest suffix to match
     prompt_lookup_max: int = 4  # n-gram: longest suffix to match (tried first)
     model: str | None = None  # draft_model: the draft checkpoint (same tokenizer as the target)
+    adaptive: bool = True  # per-request proposal length from its recent acceptance (spec_decode.py)
     draft: ModelConfig | None = None  # filled by EngineConfig.create from `model`
 
     def __post_init__(self) -> None:

@@ -174,17 +174,17 @@ class LLM:
         return [results[i] for i in ids]
 
     def stream(
-        self, prompt: PromptInput, sampling_params: SamplingParams | None = None
+        self, prompts: PromptInput | Sequence[PromptInput], sampling_params: SamplingParams | None = None
     ) -> Iterator[SequenceDelta]:
-        """Generate one prompt, yielding text deltas as they are produced (aborts if abandoned)."""
-        (rid,) = self._submit(prompt, sampling_params, None)
-        finished = False
+        """Generate one prompt (or several, batched together), yielding text deltas as they are
+        produced (what is unfinished is aborted if the iterator is abandoned)."""
+        pending = set(self._submit(prompts, sampling_params, None))
         try:
-            while not finished:
+            while pending:
                 for delta in self._step():
-                    if delta.request_id == rid:
+                    if delta.request_id in pending:
                         yield delta
-                finished = self.processor.pop_finished(rid) is not None
+                pending = {rid for rid in pending if self.processor.pop_finished(rid) is None}
         finally:
-            if not finished:
+            for rid in pending:
                 self.processor.withdraw(self.engine, rid)

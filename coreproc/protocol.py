@@ -239,6 +239,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     finished_req_ids: list[str] = []
     # proposed tokens to verify, per request; they are the last len(...) of its scheduled tokens
     spec_token_ids: dict[str, list[int]] = {}
+    # draft model: tokens to propose after this step where fewer than num_speculative_tokens (0: none)
+    draft_lengths: dict[str, int] = {}
 
 
 # ----------------------------------------------------------------------------- workers -> core
@@ -267,6 +269,9 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     failed: dict[str, str] = {}  # requests this step could not serve (a grammar xgrammar refused): why
     execute_seconds: float = 0.0  # the worker's time on this step (inputs, forward, sampling)
     structured_seconds: float = 0.0  # of which: grammar matchers and the token mask
+    forward_seconds: float = 0.0  # of which: the target's forward and logits (verification included)
+    sample_seconds: float = 0.0  # of which: sampling and keeping the accepted proposals
+    draft_seconds: float = 0.0  # of which: the draft model's forwards (catch-up and proposals)
 
 
 class WorkerReady(msgspec.Struct, kw_only=True):
@@ -367,6 +372,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     num_steps: int = 0  # engine steps run
     worker_busy_seconds: float = 0.0  # the workers' time in steps (summed `RunnerOutput.execute_seconds`)
     structured_seconds: float = 0.0  # of which: structured outputs' matchers and masks
+    forward_seconds: float = 0.0  # of which: target forwards and logits (speculative verification included)
+    sample_seconds: float = 0.0  # of which: sampling
+    draft_seconds: float = 0.0  # of which: draft-model forwards
+    schedule_seconds: float = 0.0  # the scheduler's own time: building steps and taking in their results
     num_preemptions: int = 0  # running requests preempted because blocks ran out
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # ... and found there

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 from coreproc.protocol import EngineRequest, FinishReason, SamplingParams
+from coreproc.spec_decode import ProposalLength
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +65,7 @@ class Request:
         # tokens being sampled by a step still in flight (overlapped scheduling); their ids are unknown
         self.num_output_placeholders = 0
         self.spec_token_ids: list[int] = []  # proposed continuation to verify in the next step
+        self.proposal_length: ProposalLength | None = None  # speculative decoding: its adaptive k
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,8 @@ how many were kept, and the rest are rolled back (see `coreproc/spec_decode.py`)
 
 from __future__ import annotations
 
+import time
+
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
 from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
@@ -30,7 +32,7 @@ from coreproc.protocol import (
     SchedulerStats,
 )
 from coreproc.request import Request, RequestStatus
-from coreproc.spec_decode import SpecStats, propose_ngram
+from coreproc.spec_decode import ProposalLength, SpecStats, StepCost, propose_ngram
 from coreproc.waiting import WaitingQueue, validate
 
 
@@ -62,6 +64,8 @@ class Scheduler:
         self._arrivals = 0
         self.spec = config.speculative
         self.spec_stats = SpecStats()
+        self.step_cost = StepCost()  # what a proposed token costs, from the steps' own timings
+        self._verify_share = 0.0  # StepCost.shares of the step whose output is being taken in
         # a draft model writes KV for its proposals right after sampling: reserve those slots
         self.lookahead = (
             self.spec.num_speculative_tokens if self.spec and self.spec.method == "draft_model" else 0
@@ -69,6 +73,10 @@ class Scheduler:
         self.num_steps = 0
         self.worker_busy_seconds = 0.0  # summed RunnerOutput.execute_seconds
         self.structured_seconds = 0.0  # summed RunnerOutput.structured_seconds
+        # where step time goes: the workers' forward / sample / draft seconds, the scheduler's own
+        self.split = dict.fromkeys(
+            ("forward_seconds", "sample_seconds", "draft_seconds", "schedule_seconds"), 0.0
+        )
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ intake
@@ -188,16 +196,23 @@ class Scheduler:
             return []  # a prefill chunk that samples nothing
         return self.kv.allocate_slots(req, n + self.lookahead) or []
 
+    def _length(self, req: Request) -> ProposalLength:
+        assert self.spec is not None
+        if req.proposal_length is None:
+            req.proposal_length = ProposalLength(self.spec.num_speculative_tokens, self.spec.adaptive)
+        return req.proposal_length
+
     def _propose(self, req: Request, drafted: list[int]) -> None:
         spec = self.spec
         if spec is None:
             return
         if spec.method == "draft_model":
-            req.spec_token_ids = drafted
+            req.spec_token_ids = drafted  # as long as the step's draft_lengths said
             return
-        req.spec_token_ids = propose_ngram(
+        guess = propose_ngram(
             req.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
+        req.spec_token_ids = self._length(req).take(guess, self._verify_share)
 
     def _prefill_share(self) -> int | None:
         """Tokens a long prefill may take this step when several prefills compete (None: no cap)."""
@@ -233,6 +248,12 @@ class Scheduler:
         return max(0, min(total - computed, budget, self.max_model_len - computed))
 
     def schedule(self) -> SchedulerOutput:
+        start = time.perf_counter()
+        out = self._schedule()
+        self.split["schedule_seconds"] += time.perf_counter() - start
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         budget = self.token_budget
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -323,6 +344,12 @@ class Scheduler:
             num_spec = len(spec_tokens.get(req.request_id, ()))
             if self._samples(req, num - num_spec):
                 req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
+                if self.lookahead:
+                    k = self._length(req).choose(
+                        *self.step_cost.shares(out.total_num_scheduled_tokens), False
+                    )
+                    if k < self.lookahead:
+                        out.draft_lengths[req.request_id] = k
             req.num_computed_tokens += num  # with proposals: rejected ones roll back in update_from_output
         self.num_steps += 1
         return out
@@ -360,9 +387,29 @@ class Scheduler:
         return fresh
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
-        outputs: list[EngineOutput] = []
+        start = time.perf_counter()
         self.worker_busy_seconds += out.execute_seconds
         self.structured_seconds += out.structured_seconds
+        self.split["forward_seconds"] += out.forward_seconds
+        self.split["sample_seconds"] += out.sample_seconds
+        self.split["draft_seconds"] += out.draft_seconds
+        if self.spec is not None:
+            self._time_step(sched, out)
+        outputs = self._take_output(sched, out)
+        self.split["schedule_seconds"] += time.perf_counter() - start
+        return outputs
+
+    def _time_step(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+        """Feed the step cost model: decode-only steps' forward time by token count, the draft's time."""
+        total = sched.total_num_scheduled_tokens
+        spec = sched.spec_token_ids
+        if total and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
+            self.step_cost.record(total, out.forward_seconds)
+        self.step_cost.record_draft(sum(map(len, out.spec_token_ids.values())), out.draft_seconds)
+        self._verify_share = self.step_cost.shares(total)[0]
+
+    def _take_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
         for rid, reason in out.failed.items():  # refused by the workers (a constraint that won't compile)
             req = self.requests.get(rid)
             if req is not None and req.status == RequestStatus.RUNNING:
@@ -392,6 +439,9 @@ class Scheduler:
                 kept = max(0, len(tokens) - 1)
                 req.num_computed_tokens -= proposed - kept
                 self.spec_stats.record(proposed, kept)
+                self._length(req).update(proposed, kept)
+            elif tokens and req.proposal_length is not None:
+                req.proposal_length.observe(tokens[0])
             req.num_output_placeholders = max(0, req.num_output_placeholders - min(1, len(tokens)))
             for token in tokens:
                 req.append_output_token(token)
@@ -431,6 +481,10 @@ class Scheduler:
             num_steps=self.num_steps,
             worker_busy_seconds=self.worker_busy_seconds,
             structured_seconds=self.structured_seconds,
+            forward_seconds=self.split["forward_seconds"],
+            sample_seconds=self.split["sample_seconds"],
+            draft_seconds=self.split["draft_seconds"],
+            schedule_seconds=self.split["schedule_seconds"],
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits,

@@ -9,6 +9,12 @@ mismatch (or a bonus token when all are kept). With a deterministic proposal thi
 rejection sampling (accept x with probability p(x), else draw from p without x), so outputs follow
 the target distribution — and seeded or greedy requests produce the very tokens they would without
 speculation. `SpecStats` counts proposals and acceptances per position for stats and /metrics.
+
+`ProposalLength` adapts each request's k to its recent acceptance (`"adaptive": true`, the default),
+weighed against what a proposed token costs (`StepCost`, measured from the steps themselves): at
+batch 1 on a CPU one more verified token costs a few percent of a step and a draft token more, and
+a large batch pays more per token, so a request proposes as far as it pays and stops where it
+does not.
 """
 
 from __future__ import annotations
@@ -64,3 +70,113 @@ class SpecStats:
             "spec_accepted_per_position": list(self.accepted_per_position),
             "spec_proposed_per_position": list(self.proposed_per_position),
         }
+
+
+MAX_PAUSE = 32  # a draft model that stopped proposing tries one token again after at most this many steps
+DECAY = 0.9  # weight of older verifications in a request's acceptance estimate
+PRIOR_COST = 0.05  # one more verified token's share of a step until steps of several sizes were timed
+
+
+@dataclass
+class StepCost:
+    """What one more token costs, as a share of a step: a least-squares line through the recent
+    decode steps' forward seconds against their token counts (exponentially weighted), and the draft
+    model's seconds per proposed token (its catch-up forwards included)."""
+
+    decay: float = 0.95
+    n: float = 0.0
+    sum_t: float = 0.0
+    sum_f: float = 0.0
+    sum_tt: float = 0.0
+    sum_tf: float = 0.0
+    draft_per_token: float = 0.0
+
+    def record(self, tokens: int, seconds: float) -> None:
+        """A step that only decoded (and verified): its token count and forward seconds."""
+        d = self.decay
+        self.n, self.sum_t, self.sum_f = d * self.n + 1, d * self.sum_t + tokens, d * self.sum_f + seconds
+        self.sum_tt, self.sum_tf = d * self.sum_tt + tokens * tokens, d * self.sum_tf + tokens * seconds
+
+    def record_draft(self, proposed: int, seconds: float) -> None:
+        if proposed:
+            per = seconds / proposed
+            self.draft_per_token = 0.8 * self.draft_per_token + 0.2 * per if self.draft_per_token else per
+
+    def shares(self, tokens: int) -> tuple[float, float]:
+        """(verify, draft): one more verified token and one more drafted token as shares of a step of
+        `tokens` tokens."""
+        if self.n < 1:
+            return PRIOR_COST, 0.0
+        mean_t, mean_f = self.sum_t / self.n, self.sum_f / self.n
+        var = self.sum_tt / self.n - mean_t * mean_t
+        slope = (self.sum_tf / self.n - mean_t * mean_f) / var if var > 0.25 else None
+        if slope is None:  # one step size so far: the prior share, and the draft against that step
+            return PRIOR_COST, self.draft_per_token / mean_f if mean_f > 0 else 0.0
+        slope = max(0.0, slope)
+        step = max(1e-9, mean_f + slope * (tokens - mean_t))
+        return min(1.0, slope / step), self.draft_per_token / step
+
+
+@dataclass
+class ProposalLength:
+    """How many tokens one request proposes next: the k (0 to `k_max`) that maximizes expected tokens
+    per unit of step time, (1 + a + a^2 + ... + a^k) / (1 + k * (verify + draft)), where a is the
+    request's recent acceptance rate per proposed token (decayed counts, a prior of one in two) and the
+    costs come from `StepCost`. A request whose proposals keep failing stops proposing; an n-gram
+    request (its proposals cost nothing to make) still checks its would-be proposal's first token
+    against the token produced (`observe`), and a draft model, which learns only by proposing, tries
+    one token again after 1, 2, 4 ... `MAX_PAUSE` steps without."""
+
+    k_max: int
+    adaptive: bool = True
+    kept: float = 1.0
+    trials: float = 2.0
+    idle: int = 0
+    backoff: int = 1
+    guess: int | None = None
+
+    @property
+    def acceptance(self) -> float:
+        return self.kept / self.trials
+
+    def _count(self, kept: int, trials: int) -> None:
+        self.kept, self.trials = DECAY * self.kept + kept, DECAY * self.trials + trials
+
+    def update(self, proposed: int, accepted: int) -> None:
+        """After a verification: each kept token was a trial that held, the first rejected one (if
+        any) a trial that failed; tokens after it were never tried."""
+        if proposed:
+            self._count(accepted, accepted + (accepted < proposed))
+
+    def choose(self, verify: float, draft: float, free: bool) -> int:
+        """The proposal length for the next step (`free`: proposals cost nothing to make)."""
+        if not self.adaptive:
+            return self.k_max
+        best, k, gain, term = 1.0, 0, 1.0, 1.0
+        for j in range(1, self.k_max + 1):
+            term *= self.acceptance
+            gain += term
+            rate = gain / (1 + j * (verify + draft))
+            if rate > best:
+                best, k = rate, j
+        if k or free:
+            self.idle, self.backoff = 0, 1
+            return k
+        self.idle += 1
+        if self.idle < self.backoff:
+            return 0
+        self.idle, self.backoff = 0, min(MAX_PAUSE, 2 * self.backoff)
+        return 1
+
+    def observe(self, token: int) -> None:
+        """The token a request produced without verifying proposals: was its would-be proposal right?"""
+        if self.guess is not None:
+            self._count(int(self.guess == token), 1)
+        self.guess = None
+
+    def take(self, proposal: list[int], verify: float) -> list[int]:
+        """The part of an n-gram proposal to verify next (its first token is kept as the guess when
+        none is)."""
+        k = self.choose(verify, 0.0, free=True)
+        self.guess = proposal[0] if not k and proposal else None
+        return proposal[:k]

@@ -5,6 +5,7 @@ run, and a chi-square test that unseeded sampling keeps the target distribution.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -15,10 +16,11 @@ import pytest
 
 from coreproc import LLM, SamplingParams
 from coreproc.config import ConfigError, EngineConfig, SpeculativeConfig
-from coreproc.protocol import EngineRequest
+from coreproc.protocol import EngineRequest, RunnerOutput, TokenLogprobs
 from coreproc.scheduler import Scheduler
-from coreproc.spec_decode import SpecStats, propose_ngram
+from coreproc.spec_decode import ProposalLength, SpecStats, StepCost, propose_ngram
 from tests.sched_util import fake_runner_output, make_config
+from workers.draft import DraftState
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 
@@ -61,8 +63,6 @@ def test_scheduler_verifies_proposals_and_rolls_back_rejected_ones():
         EngineRequest(request_id="a", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=20))
     )
     out = sched.schedule()
-    from coreproc.protocol import RunnerOutput, TokenLogprobs
-
     sched.update_from_output(out, RunnerOutput(["a"], [[5]], [[TokenLogprobs([5], [0.0], 1)]]))
     req = sched.requests["a"]
     assert req.spec_token_ids == [6, 3, 4]  # ... 3 4 5 -> what followed "4 5" before
@@ -79,6 +79,97 @@ def test_scheduler_verifies_proposals_and_rolls_back_rejected_ones():
         out = sched.schedule()
         sched.update_from_output(out, fake_runner_output(sched, out, rng))
     assert sched.kv.num_blocks_in_use() == 0
+
+
+@pytest.mark.unit
+def test_proposal_length_weighs_acceptance_against_cost():
+    """k maximizes expected tokens per unit of step time: long proposals while they hold and verifying
+    is cheap, shorter ones as tokens cost more, none once proposals fail (a draft model probes one
+    token after 1, 2, 4 ... steps; an n-gram request keeps checking its would-be proposal)."""
+    length = ProposalLength(5)
+    assert length.acceptance == 0.5 and length.choose(0.01, 0.0, free=True) == 5
+    assert length.choose(0.3, 0.0, free=True) == 1  # expensive verification at the prior acceptance
+    for _ in range(10):
+        length.update(5, 5)
+    assert length.acceptance > 0.95 and length.choose(0.03, 0.2, free=False) == 5
+    for _ in range(60):
+        length.update(5, 0)
+    assert length.acceptance < 0.01 and length.choose(0.03, 0.0, free=True) == 0
+    asked = [length.choose(0.03, 0.2, free=False) for _ in range(40)]
+    assert [i for i, k in enumerate(asked) if k] == [0, 2, 6, 14, 30] and set(asked) == {0, 1}
+    assert length.take([7, 8], 0.03) == [] and length.guess == 7
+    length.observe(7)  # its would-be proposal came true: worth proposing again
+    assert length.take([7, 8], 0.03) == [7]
+    fixed = ProposalLength(3, adaptive=False)
+    for _ in range(5):
+        fixed.update(3, 0)
+    assert fixed.choose(0.5, 0.5, free=False) == 3
+
+
+@pytest.mark.unit
+def test_step_cost_fits_the_steps():
+    cost = StepCost()
+    assert cost.shares(4) == (0.05, 0.0)  # the prior, before any step
+    for tokens in (1, 6, 2, 5, 1, 6, 3):
+        cost.record(tokens, 0.1 + 0.004 * tokens)
+    cost.record_draft(4, 0.08)
+    verify, draft = cost.shares(1)
+    assert verify == pytest.approx(0.004 / 0.104) and draft == pytest.approx(0.02 / 0.104)
+
+
+@pytest.mark.unit
+def test_draft_state_keeps_the_proposals_the_target_kept():
+    """The draft's KV holds positions < computed plus its pending proposals; settle keeps those the
+    request's tokens confirm, short of the last token (the next forward starts from it)."""
+    tokens = [1, 2, 3, 4, 5, 6]
+    state = DraftState(computed=3, pending=[4, 5, 9])
+    assert state.settle(tokens.__getitem__, len(tokens)) == 5 and state.pending == []
+    state = DraftState(computed=3, pending=[4, 7])
+    assert state.settle(tokens.__getitem__, len(tokens)) == 4  # 7 was rejected
+    state = DraftState(computed=3, pending=[4])
+    assert state.settle(tokens.__getitem__, 4) == 3  # token 4 is the last: it is fed again
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_rejected_proposals_pause_speculation(method: str):
+    """When the target never keeps a proposal, the adaptive scheduler soon stops proposing (a draft
+    model is asked for none but an occasional probe); without adaptation it proposes k each step."""
+    proposed = {}
+    for adaptive in (True, False):
+        config = make_config(budget=64, spec_k=4, spec_method=method)
+        spec = dataclasses.replace(config.speculative, adaptive=adaptive)
+        sched = Scheduler(dataclasses.replace(config, speculative=spec), num_kv_blocks=200)
+        prompt = [3, 4, 5, 6] * 6  # n-gram always finds a continuation
+        params = SamplingParams(max_tokens=120, ignore_eos=True)
+        sched.add_request(EngineRequest(request_id="a", prompt_token_ids=prompt, sampling_params=params))
+        asked = []
+        while sched.has_unfinished_requests():
+            out = sched.schedule()
+            asked.append(out.draft_lengths.get("a", 4))
+            req = sched.requests["a"]
+            spec_tokens = out.spec_token_ids.get("a", [])
+            if out.num_scheduled_tokens.get("a", 0) == 0:
+                continue
+            samples = (
+                req.num_computed_tokens - len(spec_tokens) == req.num_tokens + req.num_output_placeholders - 1
+            )
+            guess = req.proposal_length.guess if req.proposal_length else None
+            avoid = spec_tokens[0] if spec_tokens else 3 if method == "draft_model" else guess
+            token = next(t for t in (3, 4, 5, 6) if t != avoid)  # never what was (or would be) proposed
+            toks = [token] if samples else []
+            drafted = {"a": [3] * asked[-1]} if method == "draft_model" and toks else {}
+            lps = [[TokenLogprobs([t], [0.0], 1) for t in toks]]
+            timing = dict(
+                forward_seconds=0.1 + 0.004 * out.total_num_scheduled_tokens, draft_seconds=0.02 * asked[-1]
+            )
+            result = RunnerOutput(["a"], [toks], lps, spec_token_ids=drafted, **timing)
+            sched.update_from_output(out, result)
+        proposed[adaptive] = sched.stats().spec_num_proposed
+        assert sched.stats().spec_num_accepted == 0
+        if adaptive and method == "draft_model":
+            assert asked.count(0) > len(asked) / 2  # paused most of the time
+    assert proposed[False] > 300 and proposed[True] < 40, proposed  # mostly the first few steps
 
 
 @pytest.fixture(scope="module")

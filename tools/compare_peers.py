@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from frontend.bench.throughput import make_prompts
+from frontend.bench.workloads import make_prompts
 from tools.peers import install
 from tools.peers.install import PeerError, log
 from tools.peers.report import PeerResult, header_lines, ratios, render_table

@@ -10,6 +10,7 @@ decode layers of workers/models/fused_decode.py). Returns a `RunnerOutput`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ import torch
 from coreproc.logits_processors import LogitsProcessor, Row
 from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
-from workers.draft import DraftProposer
+from workers.draft import DraftJob, DraftProposer, DraftState
 from workers.models.fused_decode import Forward
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
@@ -35,6 +36,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int = 0
     eos_ids: list[int] = field(default_factory=list)
+    draft: DraftState = field(default_factory=DraftState)  # what the draft model's KV holds
 
     @property
     def num_tokens(self) -> int:
@@ -132,37 +134,36 @@ class ModelRunner:
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        began = time.perf_counter()
         hidden = self.forward(ids_t, pos_t, self.kv_caches, meta)
-        if self.draft is not None:
-            self.draft.mirror(ids_t, pos_t, meta)
         ends = meta.query_start_loc_cpu[1:]
         # a request samples when its chunk reaches its last token: one row for that position, plus one
         # per proposed token (verification); row j sees the output as if proposals < j were accepted
         sample_rows = [
             i for i, (s, end) in enumerate(zip(states, seq_lens)) if end == s.num_tokens + len(specs[i])
         ]
-        result = None
-        if sample_rows:
-            positions_at = [
-                ends[i] - 1 - len(specs[i]) + j for i in sample_rows for j in range(len(specs[i]) + 1)
-            ]
-            views = [
-                (req_ids[i], states[i], specs[i][:j]) for i in sample_rows for j in range(len(specs[i]) + 1)
-            ]
-            logits = self.model.compute_logits(hidden[positions_at])
-            result = self.sampler(logits, self._sampling_batch(views))
+        positions_at = [
+            ends[i] - 1 - len(specs[i]) + j for i in sample_rows for j in range(len(specs[i]) + 1)
+        ]
+        views = [(req_ids[i], states[i], specs[i][:j]) for i in sample_rows for j in range(len(specs[i]) + 1)]
+        logits = self.model.compute_logits(hidden[positions_at]) if sample_rows else None
+        forwarded = time.perf_counter()
+        result = None if logits is None else self.sampler(logits, self._sampling_batch(views))
         output = self._collect(req_ids, states, specs, sample_rows, result)
+        output.forward_seconds = forwarded - began  # on CUDA without a sync: launches, the rest lands below
+        output.sample_seconds = time.perf_counter() - forwarded
         if self.structured is not None:
             output.failed = self.structured.pop_failed()
             output.structured_seconds = self.structured.pop_seconds()
         if self.draft is not None and sample_rows:
-            proposing = [states[i] for i in sample_rows]
-            proposals = self.draft.propose(
-                [s.output_ids[-1] for s in proposing],
-                [s.num_tokens - 1 for s in proposing],
-                [s.block_ids for s in proposing],
-            )
+            drafting = time.perf_counter()
+            jobs = []
+            for i in sample_rows:
+                s, k = states[i], out.draft_lengths.get(req_ids[i], self.draft.k)
+                jobs.append(DraftJob(s.token, s.num_tokens, s.block_ids, s.draft, k))
+            proposals = self.draft.propose(jobs)
             output.spec_token_ids = {req_ids[i]: p for i, p in zip(sample_rows, proposals) if p}
+            output.draft_seconds = time.perf_counter() - drafting
         output.prompt_logprobs = self._prompt_logprobs(req_ids, states, q_lens, seq_lens, hidden, meta)
         for s, q, spec, tokens in zip(states, q_lens, specs, output.sampled_token_ids):
             s.num_computed_tokens += q - (len(spec) - max(0, len(tokens) - 1) if spec else 0)

@@ -11,6 +11,8 @@ bandwidth. Prints one readable table and a summary line; `--result-json` writes 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -18,9 +20,11 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from coreproc.config import ConfigError, EngineConfig
-from coreproc.protocol import SamplingParams
-from frontend.bench.throughput import add_workload_arguments, workload_prompts
+from coreproc.protocol import SamplingParams, SchedulerStats
+from frontend.bench.workloads import add_workload_arguments, honors_eos, workload_prompts
 
 if TYPE_CHECKING:
     from coreproc.llm import LLM
@@ -28,26 +32,33 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Iteration:
-    """One timed request: wall time end to end, time to its first output token, tokens produced, and
-    engine steps after the one that produced the first token."""
+    """One timed batch (one request at --batch-size 1): wall time end to end, time until every request
+    has its first output token, tokens produced, and engine steps after that point."""
 
     latency_s: float
     ttft_s: float
     output_tokens: int
     decode_steps: int
+    requests: int = 1
+    prompt_tokens: int = 0
 
     @property
     def decode_s(self) -> float:
         return self.latency_s - self.ttft_s
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens after each request's first (those come from the prefill steps)."""
+        return self.output_tokens - self.requests
+
+    @property
     def decode_tps(self) -> float:
-        """Tokens per second after the first (the first comes from the prefill step)."""
-        return (self.output_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     @property
     def tpot_ms(self) -> float:
-        return 1000 * self.decode_s / max(1, self.output_tokens - 1)
+        """Time per output token of one request: batch decode time over its mean token count."""
+        return 1000 * self.decode_s * self.requests / max(1, self.decode_tokens)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters", type=int, default=3, help="timed requests")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="untimed requests first")
+    p.add_argument("--batch-size", type=int, default=1, help="requests decoded together per iteration")
     add_workload_arguments(p)
     p.add_argument("--bandwidth-mib", type=int, default=512, help="buffer size of the bandwidth test")
     p.add_argument("--result-json", default=None, help="also write the figures to this file")
@@ -104,41 +116,46 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, reps: int 
     return {"read_gbps": read, "copy_gbps": copy, "ceiling_gbps": max(read, copy)}
 
 
-def time_request(llm: LLM, prompt: list[int], params: SamplingParams, device: str) -> Iteration:
-    """Stream one request through ``llm`` (an `LLM`), timing its first token and its end."""
+def time_request(llm: LLM, prompts: list[list[int]], params: SamplingParams, device: str) -> Iteration:
+    """Stream ``prompts`` through ``llm`` (an `LLM`) together, timing the point where each has its
+    first token and the end."""
     _sync(device)
     start = time.perf_counter()
-    ttft, produced, steps0 = None, 0, 0
-    for delta in llm.stream(prompt, params):
-        if delta.token_ids and ttft is None:
-            ttft = time.perf_counter() - start
-            steps0 = llm.stats().num_steps
+    ttft, produced, steps0, started = None, 0, 0, set()
+    for delta in llm.stream(prompts, params):
+        if delta.token_ids:
+            started.add(delta.request_id)
+            if ttft is None and len(started) == len(prompts):
+                ttft = time.perf_counter() - start
+                steps0 = llm.stats().num_steps
         produced += len(delta.token_ids)
     _sync(device)
     latency = time.perf_counter() - start
     steps = llm.stats().num_steps - steps0
-    return Iteration(latency, ttft if ttft is not None else latency, produced, steps)
+    first = ttft if ttft is not None else latency
+    return Iteration(latency, first, produced, steps, len(prompts), sum(map(len, prompts)))
 
 
-def summarize(
-    iters: list[Iteration], weight_bytes: int, kv_bytes_per_token: float, input_len: int, bandwidth: dict
-) -> dict:
+def summarize(iters: list[Iteration], weight_bytes: int, kv_bytes_per_token: float, bandwidth: dict) -> dict:
     """The reported figures: latency statistics, decode speed and the achieved memory bandwidth.
 
-    A decode step that produces token j (j >= 2) reads all weights and the KV of input_len + j - 1
-    earlier positions; averaged over the decode steps that is input_len + output_len / 2 positions.
-    Achieved bandwidth counts engine steps, so a speculative step that yields several tokens reads
-    the weights once.
+    A decode step that produces a request's token j (j >= 2) reads all weights and the KV of its
+    prompt + j - 1 earlier positions; averaged over the decode steps that is prompt + output / 2
+    positions per request (means over the iterations), times the batch. Achieved bandwidth counts
+    engine steps, so a speculative step that yields several tokens reads the weights once.
     """
     latencies = [it.latency_s for it in iters]
-    output_len = iters[0].output_tokens
-    decode_tokens = sum(it.output_tokens - 1 for it in iters)
+    requests = sum(it.requests for it in iters)
+    batch = iters[0].requests
+    decode_tokens = sum(it.decode_tokens for it in iters)
     decode_s = sum(it.decode_s for it in iters)
     decode_tps = decode_tokens / decode_s if decode_s > 0 else 0.0
     decode_steps = sum(it.decode_steps for it in iters)
     steps_per_s = decode_steps / decode_s if decode_s > 0 else 0.0
-    mean_context = input_len + output_len / 2
-    kv_bytes_per_step = kv_bytes_per_token * mean_context
+    mean_context = (
+        sum(it.prompt_tokens for it in iters) + sum(it.output_tokens for it in iters) / 2
+    ) / requests
+    kv_bytes_per_step = kv_bytes_per_token * mean_context * batch
     bytes_per_step = weight_bytes + kv_bytes_per_step
     achieved = bytes_per_step * steps_per_s / 1e9
     tokens_per_step = decode_tokens / max(1, decode_steps)
@@ -205,50 +222,122 @@ def print_report(head: str, iters: list[Iteration], r: dict, buffer_mib: int) ->
     )
 
 
+SPLIT = ("forward_seconds", "draft_seconds", "sample_seconds", "schedule_seconds")
+
+
+def step_report(before: SchedulerStats, after: SchedulerStats) -> dict:
+    """What the timed iterations' engine steps cost, split (ms per step: target forwards with their
+    verification, draft forwards, sampling, the scheduler's own work), and with speculation the
+    acceptance by position over those iterations."""
+    steps = max(1, after.num_steps - before.num_steps)
+    split = {
+        k.replace("_seconds", "_ms"): 1000 * (getattr(after, k) - getattr(before, k)) / steps for k in SPLIT
+    }
+    proposed = [
+        a - b
+        for a, b in itertools.zip_longest(
+            after.spec_proposed_per_position, before.spec_proposed_per_position, fillvalue=0
+        )
+    ]
+    accepted = [
+        a - b
+        for a, b in itertools.zip_longest(
+            after.spec_accepted_per_position, before.spec_accepted_per_position, fillvalue=0
+        )
+    ]
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    spec = dict(
+        num_drafts=drafts,
+        num_proposed=sum(proposed),
+        num_accepted=sum(accepted),
+        acceptance_rate=sum(accepted) / sum(proposed) if sum(proposed) else 0.0,
+        mean_accepted_length=1 + sum(accepted) / drafts if drafts else 0.0,
+        acceptance_per_position=[a / p if p else 0.0 for a, p in zip(accepted, proposed)],
+        proposed_per_position=proposed,
+    )
+    return {"step_split_ms": split, "speculation": spec if drafts else {}}
+
+
+def print_steps(r: dict) -> None:
+    split = r["step_split_ms"]
+    print("per step: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in split.items()))
+    spec = r["speculation"]
+    if spec:
+        per_pos = " ".join(f"{a:.0%}" for a in spec["acceptance_per_position"])
+        print(
+            f"speculation: {spec['num_drafts']} verifications, acceptance {spec['acceptance_rate']:.1%} "
+            f"({spec['num_accepted']}/{spec['num_proposed']}), mean accepted length "
+            f"{spec['mean_accepted_length']:.2f}; by position {per_pos} "
+            f"(proposed {spec['proposed_per_position']})"
+        )
+
+
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from coreproc.llm import LLM
 
-    if args.input_len < 1 or args.output_len < 2 or args.num_iters < 1 or args.num_iters_warmup < 0:
+    if (
+        min(args.input_len, args.batch_size, args.num_iters) < 1
+        or args.output_len < 2
+        or args.num_iters_warmup < 0
+    ):
         raise ConfigError(
-            "need --input-len >= 1, --output-len >= 2, --num-iters >= 1, --num-iters-warmup >= 0"
+            "need --input-len, --batch-size, --num-iters >= 1, --output-len >= 2, --num-iters-warmup >= 0"
         )
-    if args.input_len + args.output_len > config.model.max_model_len:
-        raise ConfigError(
-            f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds max_model_len "
-            f"{config.model.max_model_len}"
-        )
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    eos = honors_eos(args.workload)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=not eos)
     with LLM(config=config, show_progress=False) as llm:
-        n = args.num_iters_warmup + args.num_iters
+        n = (args.num_iters_warmup + args.num_iters) * args.batch_size
         prompts = workload_prompts(args, llm.tokenizer, config.model.vocab_size, n)
+        longest = max(map(len, prompts))
+        if longest + args.output_len > config.model.max_model_len:
+            raise ConfigError(
+                f"prompt ({longest} tokens) + --output-len ({args.output_len}) exceeds max_model_len "
+                f"{config.model.max_model_len}"
+            )
         ready = llm.engine.executor.ready
         device = ready[0].device
-        timed = [time_request(llm, p, params, device) for p in prompts]
-        iters = timed[args.num_iters_warmup :]
+        batches = [prompts[i : i + args.batch_size] for i in range(0, n, args.batch_size)]
+        for batch in batches[: args.num_iters_warmup]:
+            time_request(llm, batch, params, device)
+        before = llm.stats()
+        iters = [time_request(llm, batch, params, device) for batch in batches[args.num_iters_warmup :]]
+        steps = step_report(before, llm.stats())
         bandwidth = measure_bandwidth(device, args.bandwidth_mib * 2**20)
     if device.startswith("cuda"):  # each rank reads its own shard from its own memory
         bandwidth["ceiling_gbps"] *= len(ready)
-    assert all(it.output_tokens == args.output_len for it in iters), "ignore_eos run stopped early"
+    if not eos:
+        assert all(it.output_tokens == args.output_len * it.requests for it in iters), (
+            "ignore_eos run stopped early"
+        )
     weight_bytes = sum(r.weight_bytes for r in ready)
     kv_per_token = sum(r.kv_bytes_per_block for r in ready) / config.cache.block_size
-    result = summarize(iters, weight_bytes, kv_per_token, args.input_len, bandwidth)
+    result = summarize(iters, weight_bytes, kv_per_token, bandwidth)
+    spec = config.speculative
     result = dict(
         model=config.model.model,
         dtype=config.model.dtype,
         device=device,
         tensor_parallel_size=len(ready),
+        workload=args.workload,
+        batch_size=args.batch_size,
         input_len=args.input_len,
         output_len=args.output_len,
         num_iters=args.num_iters,
+        speculative_config=msgspec.to_builtins(dataclasses.replace(spec, draft=None)) if spec else None,
         iterations=[asdict(it) for it in iters],
         **result,
+        **steps,
     )
+    lengths = "stop at EOS" if eos else "ignore EOS"
+    mean_prompt = sum(it.prompt_tokens for it in iters) / sum(it.requests for it in iters)
     head = (
-        f"model {config.model.model} ({config.model.dtype} on {device}, tp {len(ready)}), batch 1, "
-        f"{args.input_len} in / {args.output_len} out greedy, {args.num_iters} iterations after "
+        f"model {config.model.model} ({config.model.dtype} on {device}, tp {len(ready)}), "
+        f"batch {args.batch_size}, workload {args.workload} (mean prompt {mean_prompt:.0f} tokens, up to "
+        f"{args.output_len} out greedy, {lengths}), {args.num_iters} iterations after "
         f"{args.num_iters_warmup} warm-up"
     )
     print_report(head, iters, result, args.bandwidth_mib)
+    print_steps(result)
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(result, f, indent=2)

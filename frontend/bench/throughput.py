@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ from typing import Any
 import msgspec
 
 from coreproc.config import EngineConfig
-from coreproc.errors import EmberError
 from coreproc.protocol import SamplingParams, SchedulerStats, StructuredSpec
+from frontend.bench.workloads import add_workload_arguments, workload_prompts
 
 STRUCTURED = ("none", "json-schema", "regex", "choice")
 
@@ -122,58 +121,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also run every request under this constraint and report its per-step cost; json-schema "
         "and regex mask every step, choice ends early and measures mostly admission",
     )
-
-
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """Prompt flags shared by the offline benchmarks."""
-    p.add_argument("--bench-seed", type=int, default=0, help="seed of the prompts")
-    p.add_argument(
-        "--workload",
-        choices=["random", "rewrite"],
-        default="random",
-        help="random token ids, or 'rewrite': a piece of Python source, a separator, and the start of "
-        "the same piece again (an input-heavy, copy-like task where n-gram speculation shines)",
-    )
-
-
-def make_prompts(vocab_size: int, special: set[int], n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    ids = [i for i in range(vocab_size) if i not in special]
-    return [[rng.choice(ids) for _ in range(length)] for _ in range(n)]
-
-
-REWRITE_SOURCES = ("textwrap", "heapq", "bisect", "fractions", "string", "shlex", "calendar", "colorsys")
-
-
-def rewrite_prompts(tokenizer: Any, n: int, length: int, seed: int) -> list[list[int]]:
-    """`length`-token prompts: a window of a stdlib module's source, a rewrite marker, and the
-    window's first tokens again, so the continuation retraces the window."""
-    import importlib
-    import inspect
-
-    rng = random.Random(seed)
-    marker = tokenizer.encode("\n\n# the same code, rewritten:\n", add_special_tokens=False)
-    restart = 8
-    body = length - len(marker) - restart
-    if body < restart:
-        raise EmberError(f"--input-len {length} is too short for the rewrite workload")
-    sources = [
-        tokenizer.encode(inspect.getsource(importlib.import_module(m)), add_special_tokens=False)
-        for m in REWRITE_SOURCES
-    ]
-    prompts = []
-    for i in range(n):
-        src = sources[i % len(sources)]
-        start = rng.randrange(0, max(1, len(src) - body))
-        window = src[start : start + body]
-        prompts.append(window + marker + window[:restart])
-    return prompts
-
-
-def workload_prompts(args: argparse.Namespace, tokenizer: Any, vocab_size: int, n: int) -> list[list[int]]:
-    if args.workload == "rewrite":
-        return rewrite_prompts(tokenizer, n, args.input_len, args.bench_seed)
-    return make_prompts(vocab_size, set(tokenizer.all_special_ids), n, args.input_len, args.bench_seed)
 
 
 def structured_spec(kind: str, output_len: int) -> StructuredSpec | None:

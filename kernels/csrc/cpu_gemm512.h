@@ -50,6 +50,8 @@ void micro16(const float* x, const uint8_t* w, int64_t kn, float* acc, bool firs
   for (int r = 0; r < R; ++r) c[r] = first ? _mm512_setzero_ps() : stored<F>(_mm512_loadu_ps(acc + r * kBlock));
 #pragma GCC unroll 4
   for (int64_t k = 0; k < kn; ++k) {
+    // packed blocks stream from memory: ask for the slice ahead (the next pass's, near the end)
+    if (F != kF32 && (k & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (k + kAhead) * block_bytes(F)), _MM_HINT_T0);
     const __m512 wv = unpack16<F>(w + k * block_bytes(F));
     for (int r = 0; r < R; ++r) c[r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[k * R + r]), c[r]);
   }
