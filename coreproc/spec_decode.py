@@ -102,18 +102,19 @@ class StepCost:
             per = seconds / proposed
             self.draft_per_token = 0.8 * self.draft_per_token + 0.2 * per if self.draft_per_token else per
 
-    def shares(self, tokens: int) -> tuple[float, float]:
-        """(verify, draft): one more verified token and one more drafted token as shares of a step of
-        `tokens` tokens."""
+    def shares(self, tokens: int, requests: int = 1) -> tuple[float, float]:
+        """(verify, draft): one more verified token and one more drafted token of one request, as
+        shares of that request's part of a step of `tokens` tokens for `requests` requests (the step
+        time divided by them: in a batch, a proposal slows every request's step)."""
         if self.n < 1:
-            return PRIOR_COST, 0.0
+            return PRIOR_COST * requests, 0.0
         mean_t, mean_f = self.sum_t / self.n, self.sum_f / self.n
         var = self.sum_tt / self.n - mean_t * mean_t
         slope = (self.sum_tf / self.n - mean_t * mean_f) / var if var > 0.25 else None
         if slope is None:  # one step size so far: the prior share, and the draft against that step
-            return PRIOR_COST, self.draft_per_token / mean_f if mean_f > 0 else 0.0
+            return PRIOR_COST * requests, self.draft_per_token * requests / mean_f if mean_f > 0 else 0.0
         slope = max(0.0, slope)
-        step = max(1e-9, mean_f + slope * (tokens - mean_t))
+        step = max(1e-9, mean_f + slope * (tokens - mean_t)) / requests
         return min(1.0, slope / step), self.draft_per_token / step
 
 

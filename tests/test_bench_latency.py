@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import coreproc
 from coreproc.config import ConfigError, EngineConfig
 from frontend.bench import latency as bench_latency
 from frontend.bench.latency import Iteration, measure_bandwidth, percentile, summarize
+
+BUNDLED = Path(coreproc.__file__).parent / "assets" / "default_model"
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -41,9 +44,13 @@ def test_percentile_matches_numpy(values: list[float], q: float) -> None:
 @pytest.mark.unit
 def test_summarize_math() -> None:
     # 11 tokens each, the first after 0.5 s; decode times 1, 1 and 3 s: 30 tokens in 5 s
-    iters = [Iteration(1.5, 0.5, 11, 10), Iteration(1.5, 0.5, 11, 10), Iteration(3.5, 0.5, 11, 5)]
+    iters = [
+        Iteration(1.5, 0.5, 11, 10, 1, 100),
+        Iteration(1.5, 0.5, 11, 10, 1, 100),
+        Iteration(3.5, 0.5, 11, 5, 1, 100),
+    ]
     bw = {"read_gbps": 2.0, "copy_gbps": 1.0, "ceiling_gbps": 2.0}
-    r = summarize(iters, weight_bytes=10**8, kv_bytes_per_token=1000.0, input_len=100, bandwidth=bw)
+    r = summarize(iters, weight_bytes=10**8, kv_bytes_per_token=1000.0, bandwidth=bw)
     assert r["mean_latency_s"] == pytest.approx(6.5 / 3)
     assert r["median_latency_s"] == pytest.approx(1.5)
     assert r["p90_latency_s"] == pytest.approx(1.5 + 0.8 * 2.0)  # numpy's linear interpolation
@@ -92,3 +99,69 @@ def test_rejects_lengths_beyond_the_context(make_ckpt) -> None:
     config = EngineConfig.create(make_ckpt("llama"), device="cpu", max_model_len=32, num_kv_blocks=8)
     with pytest.raises(ConfigError, match="max_model_len"):
         bench_latency.run(parse("--input-len", "30", "--output-len", "8"), config)
+    with pytest.raises(ConfigError, match="batch-size"):
+        bench_latency.run(parse("--batch-size", "0"), config)
+
+
+@pytest.mark.unit
+def test_batched_iterations_count_every_request() -> None:
+    """Two requests of 11 tokens decoded together in 1 s after 0.5 s: 20 decode tokens, and a step
+    reads the KV of both."""
+    it = Iteration(1.5, 0.5, 22, 10, requests=2, prompt_tokens=200)
+    assert (
+        it.decode_tokens == 20 and it.decode_tps == pytest.approx(20.0) and it.tpot_ms == pytest.approx(100.0)
+    )
+    bw = {"read_gbps": 2.0, "copy_gbps": 1.0, "ceiling_gbps": 2.0}
+    r = summarize([it], weight_bytes=10**8, kv_bytes_per_token=1000.0, bandwidth=bw)
+    assert r["mean_context"] == pytest.approx(105.5) and r["kv_bytes_per_step"] == pytest.approx(2 * 105_500)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("workload", ["copy", "rewrite", "complete"])
+def test_speculative_batch_run_reports_acceptance_and_the_step_split(tmp_path: Path, workload: str) -> None:
+    """The bundled (trained) model: it continues the copy workload's code, so n-gram proposals hold."""
+    config = EngineConfig.create(
+        str(BUNDLED), device="cpu", num_kv_blocks=256, max_model_len=1024,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
+    )  # fmt: skip
+    out = tmp_path / "latency.json"
+    args = parse(
+        "--workload", workload, "--input-len", "48", "--output-len", "12", "--num-iters", "1",
+        "--num-iters-warmup", "0", "--batch-size", "2", "--bandwidth-mib", "16", "--result-json", str(out),
+    )  # fmt: skip
+    assert bench_latency.run(args, config) == 0
+    r = json.loads(out.read_text())
+    assert r["batch_size"] == 2 and r["workload"] == workload and r["iterations"][0]["requests"] == 2
+    assert set(r["step_split_ms"]) == {"forward_ms", "draft_ms", "sample_ms", "schedule_ms"}
+    assert r["step_split_ms"]["forward_ms"] > 0 and r["step_split_ms"]["draft_ms"] == 0
+    assert r["speculative_config"]["method"] == "ngram"
+    if workload == "copy":  # ignores EOS, and the copy is what n-gram proposals find
+        assert r["iterations"][0]["output_tokens"] == 24
+        spec = r["speculation"]
+        assert spec["num_proposed"] > 0 and len(spec["acceptance_per_position"]) <= 3
+        assert spec["num_proposed"] == sum(spec["proposed_per_position"])
+
+
+@pytest.mark.unit
+def test_spec_table_renders_speedups_over_plain(tmp_path: Path) -> None:
+    from tools.bench_spec import render, rows
+
+    names = [name for name, _ in rows("draft.gguf", [1, 8])]
+    assert (
+        names[0] == "b1_rewrite_plain"
+        and "b8_complete_draft" in names
+        and "b8_rewrite_ngram_fixed" not in names
+    )
+    base = {"batch_size": 1, "workload": "rewrite", "tokens_per_step": 1.0}
+    split = {"forward_ms": 100.0, "draft_ms": 0.0, "sample_ms": 1.0, "schedule_ms": 0.1}
+    (tmp_path / "b1_rewrite_plain.json").write_text(
+        json.dumps({**base, "decode_tps": 8.0, "step_split_ms": split})
+    )
+    spec = {"acceptance_per_position": [0.9, 0.5]}
+    row = {**base, "decode_tps": 20.0, "tokens_per_step": 2.5, "step_split_ms": split, "speculation": spec}
+    (tmp_path / "b1_rewrite_ngram.json").write_text(json.dumps(row))
+    table = render(tmp_path).splitlines()
+    assert table[2].startswith("| 1 | rewrite | plain | 8.0 | 1.00x |")
+    assert table[3].startswith(
+        "| 1 | rewrite | ngram | 20.0 | 2.50x | 2.50 | 90% 50% | 100.0 / 0.0 / 1.0 / 0.1 |"
+    )

@@ -17,7 +17,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -28,6 +28,9 @@ from frontend.bench.workloads import add_workload_arguments, honors_eos, workloa
 
 if TYPE_CHECKING:
     from coreproc.llm import LLM
+
+
+SPLIT = ("forward_seconds", "draft_seconds", "sample_seconds", "schedule_seconds")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class Iteration:
     decode_steps: int
     requests: int = 1
     prompt_tokens: int = 0
+    split_s: dict[str, float] = field(default_factory=dict)  # the decode steps' `SPLIT` seconds
 
     @property
     def decode_s(self) -> float:
@@ -121,19 +125,22 @@ def time_request(llm: LLM, prompts: list[list[int]], params: SamplingParams, dev
     first token and the end."""
     _sync(device)
     start = time.perf_counter()
-    ttft, produced, steps0, started = None, 0, 0, set()
+    ttft, produced, started = None, 0, set()
+    before = llm.stats()
     for delta in llm.stream(prompts, params):
         if delta.token_ids:
             started.add(delta.request_id)
             if ttft is None and len(started) == len(prompts):
                 ttft = time.perf_counter() - start
-                steps0 = llm.stats().num_steps
+                before = llm.stats()
         produced += len(delta.token_ids)
     _sync(device)
     latency = time.perf_counter() - start
-    steps = llm.stats().num_steps - steps0
+    after = llm.stats()
+    split = {k: getattr(after, k) - getattr(before, k) for k in SPLIT}
     first = ttft if ttft is not None else latency
-    return Iteration(latency, first, produced, steps, len(prompts), sum(map(len, prompts)))
+    steps = after.num_steps - before.num_steps
+    return Iteration(latency, first, produced, steps, len(prompts), sum(map(len, prompts)), split)
 
 
 def summarize(iters: list[Iteration], weight_bytes: int, kv_bytes_per_token: float, bandwidth: dict) -> dict:
@@ -222,17 +229,12 @@ def print_report(head: str, iters: list[Iteration], r: dict, buffer_mib: int) ->
     )
 
 
-SPLIT = ("forward_seconds", "draft_seconds", "sample_seconds", "schedule_seconds")
-
-
-def step_report(before: SchedulerStats, after: SchedulerStats) -> dict:
-    """What the timed iterations' engine steps cost, split (ms per step: target forwards with their
+def step_report(iters: list[Iteration], before: SchedulerStats, after: SchedulerStats) -> dict:
+    """What the timed iterations' decode steps cost, split (ms per step: target forwards with their
     verification, draft forwards, sampling, the scheduler's own work), and with speculation the
-    acceptance by position over those iterations."""
-    steps = max(1, after.num_steps - before.num_steps)
-    split = {
-        k.replace("_seconds", "_ms"): 1000 * (getattr(after, k) - getattr(before, k)) / steps for k in SPLIT
-    }
+    acceptance by position over those iterations (`before` / `after`: the engine's stats around them)."""
+    steps = max(1, sum(it.decode_steps for it in iters))
+    split = {k.replace("_seconds", "_ms"): 1000 * sum(it.split_s[k] for it in iters) / steps for k in SPLIT}
     proposed = [
         a - b
         for a, b in itertools.zip_longest(
@@ -260,7 +262,7 @@ def step_report(before: SchedulerStats, after: SchedulerStats) -> dict:
 
 def print_steps(r: dict) -> None:
     split = r["step_split_ms"]
-    print("per step: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in split.items()))
+    print("per decode step: " + ", ".join(f"{k.removesuffix('_ms')} {v:.1f} ms" for k, v in split.items()))
     spec = r["speculation"]
     if spec:
         per_pos = " ".join(f"{a:.0%}" for a in spec["acceptance_per_position"])
@@ -301,7 +303,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             time_request(llm, batch, params, device)
         before = llm.stats()
         iters = [time_request(llm, batch, params, device) for batch in batches[args.num_iters_warmup :]]
-        steps = step_report(before, llm.stats())
+        steps = step_report(iters, before, llm.stats())
         bandwidth = measure_bandwidth(device, args.bandwidth_mib * 2**20)
     if device.startswith("cuda"):  # each rank reads its own shard from its own memory
         bandwidth["ceiling_gbps"] *= len(ready)
