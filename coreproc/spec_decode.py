@@ -81,7 +81,8 @@ PRIOR_COST = 0.05  # one more verified token's share of a step until steps of se
 class StepCost:
     """What one more token costs, as a share of a step: a least-squares line through the recent
     decode steps' forward seconds against their token counts (exponentially weighted), and the draft
-    model's seconds per proposed token (its catch-up forwards included)."""
+    model's seconds per proposed token (its one- and two-token forwards: a prompt's catch-up is paid
+    once per request, whatever it proposes)."""
 
     decay: float = 0.95
     n: float = 0.0
@@ -97,10 +98,11 @@ class StepCost:
         self.n, self.sum_t, self.sum_f = d * self.n + 1, d * self.sum_t + tokens, d * self.sum_f + seconds
         self.sum_tt, self.sum_tf = d * self.sum_tt + tokens * tokens, d * self.sum_tf + tokens * seconds
 
-    def record_draft(self, proposed: int, seconds: float) -> None:
-        if proposed:
-            per = seconds / proposed
-            self.draft_per_token = 0.8 * self.draft_per_token + 0.2 * per if self.draft_per_token else per
+    def record_draft(self, per_token: float) -> None:
+        """A step's draft seconds per proposed token (0: it proposed nothing)."""
+        if per_token > 0:
+            old = self.draft_per_token
+            self.draft_per_token = 0.8 * old + 0.2 * per_token if old else per_token
 
     def shares(self, tokens: int, requests: int = 1) -> tuple[float, float]:
         """(verify, draft): one more verified token and one more drafted token of one request, as

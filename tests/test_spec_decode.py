@@ -113,7 +113,8 @@ def test_step_cost_fits_the_steps():
     assert cost.shares(4) == (0.05, 0.0)  # the prior, before any step
     for tokens in (1, 6, 2, 5, 1, 6, 3):
         cost.record(tokens, 0.1 + 0.004 * tokens)
-    cost.record_draft(4, 0.08)
+    cost.record_draft(0.02)
+    cost.record_draft(0.0)  # a step that proposed nothing
     verify, draft = cost.shares(1)
     assert verify == pytest.approx(0.004 / 0.104) and draft == pytest.approx(0.02 / 0.104)
 
@@ -162,7 +163,9 @@ def test_rejected_proposals_pause_speculation(method: str):
             drafted = {"a": [3] * asked[-1]} if method == "draft_model" and toks else {}
             lps = [[TokenLogprobs([t], [0.0], 1) for t in toks]]
             timing = dict(
-                forward_seconds=0.1 + 0.004 * out.total_num_scheduled_tokens, draft_seconds=0.02 * asked[-1]
+                forward_seconds=0.1 + 0.004 * out.total_num_scheduled_tokens,
+                draft_seconds=0.02 * asked[-1],
+                draft_token_seconds=0.02 if asked[-1] else 0.0,
             )
             result = RunnerOutput(["a"], [toks], lps, spec_token_ids=drafted, **timing)
             sched.update_from_output(out, result)

@@ -15,6 +15,7 @@ deterministic function of the context, so the target's keep-while-equal verifica
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,10 +76,19 @@ class DraftProposer:
         self.device = device
         self.k = num_tokens
         self.max_model_len = max_model_len
+        self._token_seconds, self._token_rows = 0.0, 0  # forwards of at most 2 tokens a request
+
+    def pop_token_seconds(self) -> float:
+        """Seconds per proposed token in the short draft forwards since the last call (0: none ran);
+        prompt catch-ups are left out: they are paid once per request, not per proposal."""
+        per = self._token_seconds / self._token_rows if self._token_rows else 0.0
+        self._token_seconds, self._token_rows = 0.0, 0
+        return per
 
     def _step(self, ids: list[list[int]], starts: list[int], blocks: list[list[int]]) -> list[int]:
         """One draft forward: request i computes tokens `ids[i]` from position `starts[i]`; the
         greedy next token of each."""
+        start = time.perf_counter()
         q_lens = [len(t) for t in ids]
         meta = AttentionMetadata.build(
             q_lens, [s + q for s, q in zip(starts, q_lens)], blocks, self.block_size, self.device
@@ -92,7 +102,11 @@ class DraftProposer:
             meta,
         )
         last = [end - 1 for end in meta.query_start_loc_cpu[1:]]
-        return self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        picks = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+        if max(q_lens) <= 2:
+            self._token_seconds += time.perf_counter() - start
+            self._token_rows += len(ids)
+        return picks
 
     def propose(self, jobs: list[DraftJob]) -> list[list[int]]:
         """Up to `job.k` greedy tokens after each job's last token."""
