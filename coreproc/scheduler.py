@@ -345,9 +345,7 @@ class Scheduler:
             if self._samples(req, num - num_spec):
                 req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
                 if self.lookahead:
-                    k = self._length(req).choose(
-                        *self.step_cost.shares(out.total_num_scheduled_tokens, len(scheduled)), False
-                    )
+                    k = self._length(req).choose(*self.step_cost.shares(len(scheduled)), False)
                     if k < self.lookahead:
                         out.draft_lengths[req.request_id] = k
             req.num_computed_tokens += num  # with proposals: rejected ones roll back in update_from_output
@@ -406,7 +404,7 @@ class Scheduler:
         if total and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
             self.step_cost.record(total, out.forward_seconds)
         self.step_cost.record_draft(out.draft_token_seconds)
-        self._verify_share = self.step_cost.shares(total, len(sched.num_scheduled_tokens))[0]
+        self._verify_share = self.step_cost.shares(len(sched.num_scheduled_tokens))[0]
 
     def _take_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []

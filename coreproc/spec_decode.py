@@ -104,10 +104,12 @@ class StepCost:
             old = self.draft_per_token
             self.draft_per_token = 0.8 * old + 0.2 * per_token if old else per_token
 
-    def shares(self, tokens: int, requests: int = 1) -> tuple[float, float]:
+    def shares(self, requests: int = 1) -> tuple[float, float]:
         """(verify, draft): one more verified token and one more drafted token of one request, as
-        shares of that request's part of a step of `tokens` tokens for `requests` requests (the step
-        time divided by them: in a batch, a proposal slows every request's step)."""
+        shares of that request's part of a plain decode step of `requests` requests (its time
+        divided by them). Against the plain step, not the step as speculation already made it: a
+        batch whose every request speculates pays all their tokens, and on a CPU past a few rows
+        each one costs nearly as much as a request's whole share."""
         if self.n < 1:
             return PRIOR_COST * requests, 0.0
         mean_t, mean_f = self.sum_t / self.n, self.sum_f / self.n
@@ -116,8 +118,8 @@ class StepCost:
         if slope is None:  # one step size so far: the prior share, and the draft against that step
             return PRIOR_COST * requests, self.draft_per_token * requests / mean_f if mean_f > 0 else 0.0
         slope = max(0.0, slope)
-        step = max(1e-9, mean_f + slope * (tokens - mean_t)) / requests
-        return min(1.0, slope / step), self.draft_per_token / step
+        share = max(1e-9, mean_f + slope * (requests - mean_t)) / requests
+        return min(1.0, slope / share), self.draft_per_token / share
 
 
 @dataclass

@@ -110,13 +110,15 @@ def test_proposal_length_weighs_acceptance_against_cost():
 @pytest.mark.unit
 def test_step_cost_fits_the_steps():
     cost = StepCost()
-    assert cost.shares(4) == (0.05, 0.0)  # the prior, before any step
+    assert cost.shares() == (0.05, 0.0)  # the prior, before any step
     for tokens in (1, 6, 2, 5, 1, 6, 3):
         cost.record(tokens, 0.1 + 0.004 * tokens)
     cost.record_draft(0.02)
     cost.record_draft(0.0)  # a step that proposed nothing
     verify, draft = cost.shares(1)
     assert verify == pytest.approx(0.004 / 0.104) and draft == pytest.approx(0.02 / 0.104)
+    verify, draft = cost.shares(4)  # four requests: each owns a quarter of their plain step
+    assert verify == pytest.approx(0.004 / (0.116 / 4)) and draft == pytest.approx(0.02 / (0.116 / 4))
 
 
 @pytest.mark.unit

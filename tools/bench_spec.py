@@ -2,12 +2,12 @@
 
 A repository script (not installed): `python -m tools.bench_spec --target DIR_OR_GGUF --draft GGUF
 --out DIR` runs, one after the other on this machine, `ember bench latency` for each workload
-(`rewrite`, `complete`) and batch size (1, 8): plain decoding, n-gram (adaptive and fixed k) and the
-draft model (adaptive and fixed k; fixed rows at batch 1 only; batch 1 times two requests after a
-warm-up one, batch 8 one batch), each writing DIR/<row>.json, then
-prints one Markdown table: decode tok/s, the speed-up over the plain row of the same workload and
-batch, acceptance by position, tokens per step and each step's cost split. `--render DIR` prints the
-table from an earlier run's files without running anything.
+(`rewrite`, `complete`; `--workloads random` for one where proposals mostly fail) and batch size
+(1, 8): plain decoding, n-gram (adaptive and fixed k) and the draft model (adaptive and fixed k;
+fixed rows at batch 1 only; batch 1 times two requests after a warm-up one, batch 8 one batch), each
+writing DIR/<row>.json, then prints one Markdown table: decode tok/s, the speed-up over the plain row
+of the same workload and batch, acceptance by position, tokens per step and each step's cost split.
+`--render DIR` prints the table from an earlier run's files without running anything.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from pathlib import Path
 K_NGRAM, K_DRAFT = 5, 4
 
 
-def rows(draft: str, batches: list[int]) -> list[tuple[str, list[str]]]:
+def rows(
+    draft: str, batches: list[int], workloads: tuple[str, ...] = ("rewrite", "complete")
+) -> list[tuple[str, list[str]]]:
     """(name, extra `ember bench latency` arguments) of every row, plain first in each group."""
     ngram = {"method": "ngram", "num_speculative_tokens": K_NGRAM}
     drafted = {"method": "draft_model", "model": draft, "num_speculative_tokens": K_DRAFT}
@@ -29,7 +31,7 @@ def rows(draft: str, batches: list[int]) -> list[tuple[str, list[str]]]:
     methods += [("draft", drafted), ("draft_fixed", {**drafted, "adaptive": False})]
     out = []
     for batch in batches:
-        for workload in ("rewrite", "complete"):
+        for workload in workloads:
             for name, spec in methods:
                 if batch > 1 and name.endswith("_fixed"):
                     continue
@@ -51,7 +53,8 @@ def render(folder: Path) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     found = [(path.stem.split("_", 2)[2], json.loads(path.read_text())) for path in folder.glob("b*_*.json")]
-    found.sort(key=lambda m: (m[1]["batch_size"], m[1]["workload"] != "rewrite", m[0] != "plain", m[0]))
+    order = {"rewrite": 0, "complete": 1}
+    found.sort(key=lambda m: (m[1]["batch_size"], order.get(m[1]["workload"], 2), m[0] != "plain", m[0]))
     plain = {(r["batch_size"], r["workload"]): r["decode_tps"] for method, r in found if method == "plain"}
     for method, r in found:
         base = plain.get((r["batch_size"], r["workload"]))
@@ -73,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--workloads", default="rewrite,complete", help="also random: proposals mostly rejected")
     p.add_argument("--out", type=Path, default=Path("spec-bench"))
     p.add_argument("--render", type=Path, help="only print the table of this folder's rows")
     args = p.parse_args(argv)
@@ -84,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     base = ["ember", "bench", "latency", "--model", args.target, "--dtype", args.dtype]
     base += ["--max-model-len", "4096", "--output-len", str(args.output_len), "--num-iters-warmup", "0"]
-    for name, extra in rows(args.draft, [int(b) for b in args.batch_sizes.split(",")]):
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    for name, extra in rows(args.draft, batches, tuple(args.workloads.split(","))):
         print(f"== {name}", flush=True)
         cmd = [*base, *extra, "--result-json", str(args.out / f"{name}.json")]
         if subprocess.run(cmd).returncode != 0:
