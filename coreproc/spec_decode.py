@@ -188,8 +188,7 @@ class ProposalLength:
         return proposal[:k]
 
 
-PROBE = 32  # steps between two measurements of the mode a batch size is not using (at first)
-MAX_PROBE = 256  # ... doubling while they confirm it: a draft model's catch-up after a pause costs
+PROBE = 32  # steps between two measurements of the mode a batch size is not using
 
 
 @dataclass
@@ -197,16 +196,13 @@ class SpecGate:
     """Whether speculation pays at a batch size, judged by what the steps achieved: seconds per
     produced token of the recent decode steps with and without verification (the draft's work counted
     with the step it proposed for), per number of requests in the step. Speculation stays on where it
-    is faster or not yet measured, and the other mode is measured again after `PROBE` steps (and once
-    early; the interval doubles up to `MAX_PROBE` while the probes agree), so a cost the per-request
-    model misses still turns it off: past a few rows a CPU's
+    is faster or not yet measured, and the other mode is measured again every `PROBE` steps (and once
+    early), so a cost the per-request model misses still turns it off: past a few rows a CPU's
     matrix products change kernels and cost more per row, and a whole batch speculating pays that."""
 
     plain: dict[int, float] = field(default_factory=dict)
     spec: dict[int, float] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
-    every: dict[int, int] = field(default_factory=dict)  # steps between probes: doubles while they agree
-    chose: dict[int, bool] = field(default_factory=dict)
 
     def record(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
         if tokens > 0:
@@ -218,16 +214,6 @@ class SpecGate:
         """Whether the requests of a step with `batch` requests propose for the next one."""
         n = self.steps[batch] = self.steps.get(batch, 0) + 1
         spec, plain = self.spec.get(batch), self.plain.get(batch)
-        if spec is None:
-            return True
-        preferred = plain is None or spec <= plain
-        if self.chose.get(batch, preferred) != preferred:
-            self.every[batch] = PROBE  # the last probe changed the verdict: look again soon
-        self.chose[batch] = preferred
-        every = self.every.get(batch, PROBE)
-        if plain is None:  # measure plain once early (from the 4th step), then by the interval
-            return n < 4
-        probe = n % every == 0
-        if probe:
-            self.steps[batch], self.every[batch] = 0, min(MAX_PROBE, 2 * every)
-        return preferred != probe
+        preferred = spec is None or plain is None or spec <= plain
+        probe = n % PROBE == 0 or n == 4
+        return preferred != probe if spec is not None else True

@@ -137,18 +137,14 @@ def test_draft_state_keeps_the_proposals_the_target_kept():
 @pytest.mark.unit
 def test_gate_turns_speculation_off_where_it_is_slower():
     """Per batch size: speculating until a plain step was measured (the 4th), then the faster mode,
-    with the other one measured again after PROBE, 2 PROBE, 4 PROBE ... steps."""
+    with the other one measured again every PROBE steps."""
     gate = SpecGate()
     assert [gate.allows(8) for _ in range(3)] == [True] * 3  # nothing measured: speculate
     gate.record(8, 14, 0.31, True)  # 22 ms a token speculating
     assert gate.allows(8) is False  # the early plain probe
     gate.record(8, 8, 0.15, False)  # 19 ms a token plain: plain wins at batch 8
-    modes = [gate.allows(8) for _ in range(7 * PROBE)]
-    assert [i for i, m in enumerate(modes) if m] == [
-        PROBE - 5,
-        3 * PROBE - 5,
-        7 * PROBE - 5,
-    ]  # probes, each later
+    modes = [gate.allows(8) for _ in range(2 * PROBE)]
+    assert modes.count(True) == 2  # only the probes speculate
     gate.record(1, 4, 0.13, True)
     gate.record(1, 1, 0.115, False)
     assert sum(gate.allows(1) for _ in range(PROBE)) >= PROBE - 2  # at batch 1 speculation wins
