@@ -32,7 +32,7 @@ from coreproc.protocol import (
     SchedulerStats,
 )
 from coreproc.request import Request, RequestStatus
-from coreproc.spec_decode import ProposalLength, SpecGate, SpecStats, StepCost, propose_ngram
+from coreproc.spec_decode import ProposalLength, SpecStats, StepCost, propose_ngram
 from coreproc.waiting import WaitingQueue, validate
 
 
@@ -66,9 +66,6 @@ class Scheduler:
         self.spec_stats = SpecStats()
         self.step_cost = StepCost()  # what a proposed token costs, from the steps' own timings
         self._verify_share = 0.0  # StepCost.shares of the step whose output is being taken in
-        self.gate = SpecGate() if self.spec and self.spec.adaptive else None
-        self._speculate = True  # the gate's word for the proposals made after the current step
-        self._last_draft = 0.0  # the previous step's draft seconds (for the proposals now verified)
         # a draft model writes KV for its proposals right after sampling: reserve those slots
         self.lookahead = (
             self.spec.num_speculative_tokens if self.spec and self.spec.method == "draft_model" else 0
@@ -212,9 +209,6 @@ class Scheduler:
         if spec.method == "draft_model":
             req.spec_token_ids = drafted  # as long as the step's draft_lengths said
             return
-        if not self._speculate:
-            req.spec_token_ids = []
-            return
         guess = propose_ngram(
             req.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
@@ -260,8 +254,6 @@ class Scheduler:
         return out
 
     def _schedule(self) -> SchedulerOutput:
-        if self.gate is not None:
-            self._speculate = self.gate.allows(len(self.running))
         budget = self.token_budget
         scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
@@ -352,9 +344,7 @@ class Scheduler:
             num_spec = len(spec_tokens.get(req.request_id, ()))
             if self._samples(req, num - num_spec):
                 req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
-                if self.lookahead and not self._speculate:
-                    out.draft_lengths[req.request_id] = 0
-                elif self.lookahead:
+                if self.lookahead:
                     k = self._length(req).choose(*self.step_cost.shares(len(scheduled)), False)
                     if k < self.lookahead:
                         out.draft_lengths[req.request_id] = k
@@ -408,17 +398,11 @@ class Scheduler:
         return outputs
 
     def _time_step(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
-        """Feed the step cost model (decode-only steps' forward time by token count, the draft's time)
-        and the gate (seconds per produced token with and without verification, by batch size)."""
+        """Feed the step cost model: decode-only steps' forward time by token count, the draft's time."""
         total = sched.total_num_scheduled_tokens
         spec = sched.spec_token_ids
-        drafted, self._last_draft = self._last_draft, out.draft_seconds
         if total and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
             self.step_cost.record(total, out.forward_seconds)
-            if self.gate is not None:
-                produced = sum(map(len, out.sampled_token_ids))
-                seconds = out.execute_seconds - out.draft_seconds + (drafted if spec else 0.0)
-                self.gate.record(len(sched.num_scheduled_tokens), produced, seconds, bool(spec))
         self.step_cost.record_draft(out.draft_token_seconds)
         self._verify_share = self.step_cost.shares(len(sched.num_scheduled_tokens))[0]
 

@@ -110,7 +110,6 @@ class StepCost:
         divided by them). Against the plain step, not the step as speculation already made it: a
         batch whose every request speculates pays all their tokens, and on a CPU past a few rows
         each one costs nearly as much as a request's whole share."""
-        requests = max(1, requests)
         if self.n < 1:
             return PRIOR_COST * requests, 0.0
         mean_t, mean_f = self.sum_t / self.n, self.sum_f / self.n
@@ -186,34 +185,3 @@ class ProposalLength:
         k = self.choose(verify, 0.0, free=True)
         self.guess = proposal[0] if not k and proposal else None
         return proposal[:k]
-
-
-PROBE = 32  # steps between two measurements of the mode a batch size is not using
-
-
-@dataclass
-class SpecGate:
-    """Whether speculation pays at a batch size, judged by what the steps achieved: seconds per
-    produced token of the recent decode steps with and without verification (the draft's work counted
-    with the step it proposed for), per number of requests in the step. Speculation stays on where it
-    is faster or not yet measured, and the other mode is measured again every `PROBE` steps (and once
-    early), so a cost the per-request model misses still turns it off: past a few rows a CPU's
-    matrix products change kernels and cost more per row, and a whole batch speculating pays that."""
-
-    plain: dict[int, float] = field(default_factory=dict)
-    spec: dict[int, float] = field(default_factory=dict)
-    steps: dict[int, int] = field(default_factory=dict)
-
-    def record(self, batch: int, tokens: int, seconds: float, speculated: bool) -> None:
-        if tokens > 0:
-            side = self.spec if speculated else self.plain
-            per = seconds / tokens
-            side[batch] = 0.7 * side[batch] + 0.3 * per if batch in side else per
-
-    def allows(self, batch: int) -> bool:
-        """Whether the requests of a step with `batch` requests propose for the next one."""
-        n = self.steps[batch] = self.steps.get(batch, 0) + 1
-        spec, plain = self.spec.get(batch), self.plain.get(batch)
-        preferred = spec is None or plain is None or spec <= plain
-        probe = n % PROBE == 0 or n == 4
-        return preferred != probe if spec is not None else True
