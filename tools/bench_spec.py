@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default="rewrite,complete", help="also random: proposals mostly rejected")
     p.add_argument("--out", type=Path, default=Path("spec-bench"))
     p.add_argument("--render", type=Path, help="only print the table of this folder's rows")
+    p.add_argument("--only", help="run only the rows whose name matches this regular expression")
     args = p.parse_args(argv)
     if args.render:
         print(render(args.render))
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     base += ["--max-model-len", "4096", "--output-len", str(args.output_len), "--num-iters-warmup", "0"]
     batches = [int(b) for b in args.batch_sizes.split(",")]
     for name, extra in rows(args.draft, batches, tuple(args.workloads.split(","))):
+        if args.only and not re.search(args.only, name):
+            continue
         print(f"== {name}", flush=True)
         cmd = [*base, *extra, "--result-json", str(args.out / f"{name}.json")]
         if subprocess.run(cmd).returncode != 0:
