@@ -110,6 +110,7 @@ class StepCost:
         divided by them). Against the plain step, not the step as speculation already made it: a
         batch whose every request speculates pays all their tokens, and on a CPU past a few rows
         each one costs nearly as much as a request's whole share."""
+        requests = max(1, requests)
         if self.n < 1:
             return PRIOR_COST * requests, 0.0
         mean_t, mean_f = self.sum_t / self.n, self.sum_f / self.n

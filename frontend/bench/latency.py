@@ -120,9 +120,13 @@ def measure_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, reps: int 
     return {"read_gbps": read, "copy_gbps": copy, "ceiling_gbps": max(read, copy)}
 
 
-def time_request(llm: LLM, prompts: list[list[int]], params: SamplingParams, device: str) -> Iteration:
-    """Stream ``prompts`` through ``llm`` (an `LLM`) together, timing the point where each has its
-    first token and the end."""
+def time_request(
+    llm: LLM, prompts: list[list[int]] | list[int], params: SamplingParams, device: str
+) -> Iteration:
+    """Stream ``prompts`` (token-id lists, or one) through ``llm`` (an `LLM`) together, timing the
+    point where each has its first token and the end."""
+    if prompts and isinstance(prompts[0], int):
+        prompts = [prompts]  # type: ignore[list-item]
     _sync(device)
     start = time.perf_counter()
     ttft, produced, started = None, 0, set()
