@@ -403,7 +403,7 @@ class Scheduler:
         spec = sched.spec_token_ids
         if total and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
             self.step_cost.record(total, out.forward_seconds)
-        self.step_cost.record_draft(out.draft_token_seconds)
+        self.step_cost.record_draft(out.draft_forwards)
         self._verify_share = self.step_cost.shares(len(sched.num_scheduled_tokens))[0]
 
     def _take_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:

@@ -78,49 +78,72 @@ PRIOR_COST = 0.05  # one more verified token's share of a step until steps of se
 
 
 @dataclass
-class StepCost:
-    """What one more token costs, as a share of a step: a least-squares line through the recent
-    decode steps' forward seconds against their token counts (exponentially weighted), and the draft
-    model's seconds per proposed token (its one- and two-token forwards: a prompt's catch-up is paid
-    once per request, whatever it proposes)."""
+class Line:
+    """An exponentially weighted least-squares line of seconds against a size (tokens, rows)."""
 
     decay: float = 0.95
     n: float = 0.0
-    sum_t: float = 0.0
-    sum_f: float = 0.0
-    sum_tt: float = 0.0
-    sum_tf: float = 0.0
-    draft_per_token: float = 0.0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+
+    def record(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n, self.sum_x, self.sum_y = d * self.n + 1, d * self.sum_x + x, d * self.sum_y + y
+        self.sum_xx, self.sum_xy = d * self.sum_xx + x * x, d * self.sum_xy + x * y
+
+    def fit(self) -> tuple[float, float, float | None]:
+        """(mean size, mean seconds, slope: None until sizes of more than one value were seen)."""
+        mean_x, mean_y = self.sum_x / self.n, self.sum_y / self.n
+        var = self.sum_xx / self.n - mean_x * mean_x
+        slope = (self.sum_xy / self.n - mean_x * mean_y) / var if var > 0.25 else None
+        return mean_x, mean_y, None if slope is None else max(0.0, slope)
+
+    def at(self, x: float) -> float:
+        """Seconds at size x (flat where only one size was seen: a CPU's few-row forwards are bound
+        by reading the weights, whatever the rows)."""
+        mean_x, mean_y, slope = self.fit()
+        return max(1e-9, mean_y + (slope or 0.0) * (x - mean_x))
+
+
+@dataclass
+class StepCost:
+    """What one more token costs, as a share of a step: a line through the recent decode steps'
+    forward seconds against their token counts, and one through the draft model's short forwards
+    (one or two tokens a request; a prompt's catch-up is paid once per request, whatever it
+    proposes) against their rows."""
+
+    steps: Line = field(default_factory=Line)
+    draft: Line = field(default_factory=Line)
 
     def record(self, tokens: int, seconds: float) -> None:
         """A step that only decoded (and verified): its token count and forward seconds."""
-        d = self.decay
-        self.n, self.sum_t, self.sum_f = d * self.n + 1, d * self.sum_t + tokens, d * self.sum_f + seconds
-        self.sum_tt, self.sum_tf = d * self.sum_tt + tokens * tokens, d * self.sum_tf + tokens * seconds
+        self.steps.record(tokens, seconds)
 
-    def record_draft(self, per_token: float) -> None:
-        """A step's draft seconds per proposed token (0: it proposed nothing)."""
-        if per_token > 0:
-            old = self.draft_per_token
-            self.draft_per_token = 0.8 * old + 0.2 * per_token if old else per_token
+    def record_draft(self, forwards: list[tuple[int, float]]) -> None:
+        """A step's short draft forwards: (rows, seconds) each."""
+        for rows, seconds in forwards:
+            self.draft.record(rows, seconds)
 
     def shares(self, requests: int = 1) -> tuple[float, float]:
         """(verify, draft): one more verified token and one more drafted token of one request, as
         shares of that request's part of a plain decode step of `requests` requests (its time
         divided by them). Against the plain step, not the step as speculation already made it: a
         batch whose every request speculates pays all their tokens, and on a CPU past a few rows
-        each one costs nearly as much as a request's whole share."""
+        each one can cost nearly as much as a request's whole share. A drafted token's cost is the
+        request's part of a draft forward over the whole batch (the forward runs once for all the
+        requests that propose; pricing it by the rows of forwards where few proposed would keep
+        every request from proposing)."""
         requests = max(1, requests)
-        if self.n < 1:
+        drafted = self.draft.at(requests) / requests if self.draft.n >= 1 else 0.0
+        if self.steps.n < 1:
             return PRIOR_COST * requests, 0.0
-        mean_t, mean_f = self.sum_t / self.n, self.sum_f / self.n
-        var = self.sum_tt / self.n - mean_t * mean_t
-        slope = (self.sum_tf / self.n - mean_t * mean_f) / var if var > 0.25 else None
+        mean_t, mean_f, slope = self.steps.fit()
         if slope is None:  # one step size so far: the prior share, and the draft against that step
-            return PRIOR_COST * requests, self.draft_per_token * requests / mean_f if mean_f > 0 else 0.0
-        slope = max(0.0, slope)
+            return PRIOR_COST * requests, drafted * requests / mean_f if mean_f > 0 else 0.0
         share = max(1e-9, mean_f + slope * (requests - mean_t)) / requests
-        return min(1.0, slope / share), self.draft_per_token / share
+        return min(1.0, slope / share), drafted / share
 
 
 @dataclass

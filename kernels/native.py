@@ -30,6 +30,7 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / f
     for f in (
         "cpu_gemm.cpp",
+        "cpu_amx.cpp",
         "cpu_qgemm.cpp",
         "cpu_gguf.cpp",
         "cpu_attention.cpp",

@@ -123,6 +123,30 @@ def test_restored_server_generates_what_the_engine_generates(model: Path, restor
     assert greedy_ids(url) == expected
 
 
+def test_bf16_snapshot_restores_on_the_native_kernels(model: Path, tmp_path: Path) -> None:
+    """bf16 runs the native matmuls: AMX tiles where the build has them, whose grant by the OS a CRIU
+    restore does not carry back (the first tile instruction would kill the worker): workers claim it
+    again each step, and the restored server generates what the engine does."""
+    from coreproc import LLM, SamplingParams
+
+    root = tmp_path / "bf16"
+    done = ember(
+        "snapshot", "create", str(root), "--", str(model), "--dtype", "bfloat16", "--max-model-len", "256"
+    )
+    assert done.returncode == 0, done.stderr
+    done = ember("snapshot", "restore", str(root), "--port", "0")
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"listening on (http://\S+) \(pid (\d+)\); canary token \d+ .* matches", done.stdout)
+    assert found, done.stdout
+    try:
+        llm = LLM(str(model), dtype="bfloat16", max_model_len=256, show_progress=False)
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        expected = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+        assert greedy_ids(found.group(1)) == expected
+    finally:
+        os.kill(int(found.group(2)), signal.SIGKILL)
+
+
 def test_one_snapshot_restores_twice_side_by_side(snap: Path, restored) -> None:
     (url1, pid1), (url2, pid2) = restored(), restored()
     assert url1 != url2 and pid1 != pid2

@@ -113,12 +113,16 @@ def test_step_cost_fits_the_steps():
     assert cost.shares() == (0.05, 0.0)  # the prior, before any step
     for tokens in (1, 6, 2, 5, 1, 6, 3):
         cost.record(tokens, 0.1 + 0.004 * tokens)
-    cost.record_draft(0.02)
-    cost.record_draft(0.0)  # a step that proposed nothing
+    cost.record_draft([(1, 0.02)])
+    cost.record_draft([])  # a step that proposed nothing
     verify, draft = cost.shares(1)
     assert verify == pytest.approx(0.004 / 0.104) and draft == pytest.approx(0.02 / 0.104)
     verify, draft = cost.shares(4)  # four requests: each owns a quarter of their plain step
-    assert verify == pytest.approx(0.004 / (0.116 / 4)) and draft == pytest.approx(0.02 / (0.116 / 4))
+    # one draft size seen: its forward costs the same for the batch, shared by the four
+    assert verify == pytest.approx(0.004 / (0.116 / 4)) and draft == pytest.approx((0.02 / 4) / (0.116 / 4))
+    cost.record_draft([(1, 0.02), (3, 0.024), (2, 0.022)])  # a line: 0.018 s + 0.002 s a row
+    assert cost.draft.at(4) == pytest.approx(0.026, rel=0.05)
+    assert cost.shares(4)[1] == pytest.approx((0.026 / 4) / (0.116 / 4), rel=0.05)
 
 
 @pytest.mark.unit
@@ -167,7 +171,7 @@ def test_rejected_proposals_pause_speculation(method: str):
             timing = dict(
                 forward_seconds=0.1 + 0.004 * out.total_num_scheduled_tokens,
                 draft_seconds=0.02 * asked[-1],
-                draft_token_seconds=0.02 if asked[-1] else 0.0,
+                draft_forwards=[(1, 0.02)] * asked[-1],
             )
             result = RunnerOutput(["a"], [toks], lps, spec_token_ids=drafted, **timing)
             sched.update_from_output(out, result)

@@ -76,14 +76,13 @@ class DraftProposer:
         self.device = device
         self.k = num_tokens
         self.max_model_len = max_model_len
-        self._token_seconds, self._token_rows = 0.0, 0  # forwards of at most 2 tokens a request
+        self._forwards: list[tuple[int, float]] = []  # (rows, seconds): forwards of at most 2 tokens a row
 
-    def pop_token_seconds(self) -> float:
-        """Seconds per proposed token in the short draft forwards since the last call (0: none ran);
-        prompt catch-ups are left out: they are paid once per request, not per proposal."""
-        per = self._token_seconds / self._token_rows if self._token_rows else 0.0
-        self._token_seconds, self._token_rows = 0.0, 0
-        return per
+    def pop_forwards(self) -> list[tuple[int, float]]:
+        """The short draft forwards since the last call, (rows, seconds) each; prompt catch-ups are
+        left out: they are paid once per request, not per proposal."""
+        out, self._forwards = self._forwards, []
+        return out
 
     def _step(self, ids: list[list[int]], starts: list[int], blocks: list[list[int]]) -> list[int]:
         """One draft forward: request i computes tokens `ids[i]` from position `starts[i]`; the
@@ -104,8 +103,7 @@ class DraftProposer:
         last = [end - 1 for end in meta.query_start_loc_cpu[1:]]
         picks = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
         if max(q_lens) <= 2:
-            self._token_seconds += time.perf_counter() - start
-            self._token_rows += len(ids)
+            self._forwards.append((len(ids), time.perf_counter() - start))
         return picks
 
     def propose(self, jobs: list[DraftJob]) -> list[list[int]]:

@@ -164,7 +164,7 @@ class ModelRunner:
             proposals = self.draft.propose(jobs)
             output.spec_token_ids = {req_ids[i]: p for i, p in zip(sample_rows, proposals) if p}
             output.draft_seconds = time.perf_counter() - drafting
-            output.draft_token_seconds = self.draft.pop_token_seconds()
+            output.draft_forwards = self.draft.pop_forwards()
         output.prompt_logprobs = self._prompt_logprobs(req_ids, states, q_lens, seq_lens, hidden, meta)
         for s, q, spec, tokens in zip(states, q_lens, specs, output.sampled_token_ids):
             s.num_computed_tokens += q - (len(spec) - max(0, len(tokens) - 1) if spec else 0)

@@ -23,7 +23,7 @@ from coreproc.config import ConfigError, EngineConfig, ModelConfig, SpeculativeC
 from coreproc.logits_processors import LogitsProcessor, ProcessorContext, engine_specs, load_processors
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
-from kernels.cpu_gemm import select_linear_kernel
+from kernels.cpu_gemm import bf16_layout, claim_tiles, select_linear_kernel
 from kernels.native import use_native
 from workers.draft import DraftProposer
 from workers.kv_scales import calibrate_kv_scales, kv_cache_dtype
@@ -124,6 +124,7 @@ class Worker:
         self.backend = select_backend(self.device, config.device.attention_backend)
         self.ops = select_ops(use_native(self.device))
         self.linear_kernel = select_linear_kernel(self.device, self.dtype)
+        self.bf16_layout = bf16_layout(self.device) if self.linear_kernel == "cpu_bf16" else ""
         self.runner: ModelRunner | None = None
 
     def load(self, show_progress: bool = True) -> WorkerReady:
@@ -309,6 +310,7 @@ class Worker:
     def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         assert self.runner is not None, "execute_model called before load()"
         start = time.perf_counter()
+        claim_tiles(self.bf16_layout)  # a snapshot restore drops the AMX grant: re-ask each step
         out = self.runner.execute(scheduler_output)
         out.execute_seconds = time.perf_counter() - start
         return out

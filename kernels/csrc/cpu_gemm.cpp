@@ -20,11 +20,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -365,6 +367,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 // x [M, K] (fp32 or bf16, rows contiguous), packed [NB, K, 16] bf16, n = true output count.
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "gemm_bf16: the packed weight must be bf16");
+  if (amx_ready()) return gemm_amx(x, packed, n);  // its own layout (pack_weight below)
   return gemm_packed<kBf16>(x, packed, n, 1.0f);
 }
 
@@ -402,6 +405,7 @@ void pack_blocks(const E* w, int64_t N, int64_t K, E* out) {
 
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "pack_weight: a 2-D CPU tensor");
+  if (w.scalar_type() == at::kBFloat16 && amx_ready()) return pack_amx(w);
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1);
   at::Tensor out = at::empty({(N + kBlock - 1) / kBlock, K, kBlock}, wc.options());
@@ -418,6 +422,8 @@ at::Tensor pack_weight(const at::Tensor& w) {
 
 TORCH_LIBRARY(ember, m) {
   m.def("pack_weight(Tensor w) -> Tensor", pack_weight);
+  m.def("bf16_layout() -> str", [] { return std::string(amx_ready() ? "amx32" : "packed16"); });
+  m.def("amx_claim() -> bool", amx_claim);
   m.def("gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor", gemm_bf16);
   m.def("gemm_fp8(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", gemm_fp8);
 }

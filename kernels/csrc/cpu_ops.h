@@ -1,5 +1,5 @@
-// The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_qgemm.cpp, cpu_attention.cpp and
-// cpu_layer_ops.cpp), for ops that chain them without going back to Python (cpu_decoder.cpp).
+// The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_amx.cpp, cpu_qgemm.cpp,
+// cpu_attention.cpp and cpu_layer_ops.cpp), for ops that chain them without going back to Python (cpu_decoder.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,6 +7,10 @@
 #include <cstdint>
 
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+bool amx_ready();  // bf16 matmuls on AMX tiles: this build targets AMX-BF16 and the OS grants it
+bool amx_claim();  // the tile-state request again (after a CRIU restore)
+at::Tensor pack_amx(const at::Tensor& w);
+at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n);
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
                  bool offsets, int64_t params, int64_t n);

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kernels.cpu_gemm import (
+    bf16_layout,
     gemm_bf16,
     gemm_bf16_torch,
     gemm_fp8,
@@ -43,12 +44,18 @@ pytestmark = pytest.mark.model
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (16, 64), (17, 67), (100, 33)])
 def test_pack_round_trip(n: int, k: int) -> None:
     w = torch.randn(n, k).bfloat16()
-    packed = pack_bf16(w)
+    packed = pack_bf16_torch(w)
     assert packed.shape == (-(-n // 16), k, 16) and packed.dtype == torch.bfloat16
     assert torch.equal(unpack_bf16(packed, n), w)
     # lane i of block 0 holds rows i (low half) and i + 8 (high half) at each k
     if n >= 16:
         assert torch.equal(packed[0, 3, 2 * 5], w[5, 3]) and torch.equal(packed[0, 3, 2 * 5 + 1], w[13, 3])
+    tiles = pack_bf16_torch(w, "amx32")  # k rounded up to 32, zeros past it
+    assert tiles.shape == (-(-n // 16), -(-k // 32) * 32, 16) and tiles.count_nonzero() == w.count_nonzero()
+    assert torch.equal(unpack_bf16(tiles, n, k, "amx32"), w)
+    if n >= 16 and k >= 36:  # each 64-byte tile row: a pair of k for the 16 rows, (k, k + 1) per row
+        row = tiles[0].view(-1, 32)[17]  # k 34 and 35
+        assert torch.equal(row[2 * 5], w[5, 34]) and torch.equal(row[2 * 5 + 1], w[5, 35])
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 48, 50, 98, 101])
@@ -62,7 +69,7 @@ def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch
     x = torch.randn(m, k, generator=gen).to(dtype)
     packed = pack_bf16(w)
     out = gemm_bf16(x, packed, n)
-    ref = gemm_bf16_torch(x, packed, n)
+    ref = gemm_bf16_torch(x, packed, n, bf16_layout())
     assert out.shape == (m, n) and out.dtype == dtype
     exact = x.double() @ w.double().t()
     tol = 1e-5 * k if dtype == torch.float32 else 1e-2
@@ -74,7 +81,8 @@ def test_gemm_matches_reference(native_ops, m: int, n: int, k: int, dtype: torch
 def test_native_packing_equals_the_reference(native_ops, n: int, k: int) -> None:
     gen = torch.Generator().manual_seed(n * 100 + k)
     w = torch.randn(n, k, generator=gen)
-    assert torch.equal(torch.ops.ember.pack_weight(w.bfloat16()), pack_bf16_torch(w.bfloat16()))
+    native = torch.ops.ember.pack_weight(w.bfloat16())
+    assert torch.equal(native, pack_bf16_torch(w.bfloat16(), bf16_layout()))
     q = w.mul(50).to(FP8)
     assert torch.equal(torch.ops.ember.pack_weight(q).view(torch.uint8), pack_fp8_torch(q).view(torch.uint8))
 
@@ -141,7 +149,7 @@ def test_gemm_keeps_leading_dims_and_rejects_mismatch(native_ops) -> None:
     assert out.shape == (2, 3, 24)
     torch.testing.assert_close(out.float(), (x.float() @ w.float().t()), atol=1e-2, rtol=1e-2)
     with pytest.raises(RuntimeError, match="mismatch"):
-        gemm_bf16(torch.randn(3, 31), pack_bf16(w), 24)
+        gemm_bf16(torch.randn(3, 33), pack_bf16(w), 24)  # (amx32 rounds k up to 32: 31 would pass)
     for m in (0, 2, 8):  # empty batches and empty rows (k = 0) give empty / zero products
         empty = torch.ops.ember.gemm_bf16(torch.randn(m, 0), pack_bf16(torch.randn(24, 0).bfloat16()), 24)
         assert empty.shape == (m, 24) and not empty.any()
@@ -155,11 +163,13 @@ def test_packed_method_processes_and_applies(native_ops) -> None:
     layer.weight.data = torch.randn(40, 24).bfloat16()
     dense = layer.weight.data.clone()
     method.process_weights_after_loading(layer)
-    assert layer.weight.shape == (3, 24, 16) and layer.quant_attrs == {"out_features": 40}
+    assert torch.equal(layer.weight, pack_bf16_torch(dense, bf16_layout()))
+    assert layer.quant_attrs == {"out_features": 40}
     x, bias = torch.randn(5, 24).bfloat16(), torch.randn(40).bfloat16()
     ref = torch.nn.functional.linear(x.float(), dense.float(), bias.float())
     torch.testing.assert_close(method.apply(layer, x, bias).float(), ref, atol=3e-2, rtol=3e-2)
     assert method.config() != make_method(None).config()  # the layout is part of the cache fingerprint
+    assert method.config()["layout"] == f"cpu_bf16_{bf16_layout()}"
     assert method.head_method() is method and make_method(None).head_method() is None
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels.cpu_gemm import gemm_bf16, pack_bf16
+from kernels.cpu_gemm import bf16_layout, gemm_bf16, pack_bf16
 from kernels.qgemm import QFormat, qgemm
 from workers.gguf_repack import Repacked, concat
 from workers.gguf_weights import GGUFTensor, pack_tensors
@@ -34,8 +34,8 @@ class GGUFPacked(QuantMethod):
     name = "gguf"
     native_layout = "cpu_gguf_qgemm2"  # 2: the K-quants in superblocks
 
-    def config(self) -> dict[str, Any]:
-        return {"method": self.name, "layout": self.native_layout}
+    def config(self) -> dict[str, Any]:  # float-stored tensors take pack_bf16's layout
+        return {"method": self.name, "layout": self.native_layout, "bf16": bf16_layout()}
 
     def head_method(self) -> QuantMethod:
         return self

@@ -3,15 +3,16 @@
 Runs in worker processes (and the preload daemon) when `select_linear_kernel` picked "cpu_bf16".
 The method keeps the checkpoint's bf16 values exactly, only rearranged (kernels/cpu_gemm.py), so its
 results differ from torch's bf16 matmul only by summation order (it accumulates in float32). The
-packed layout is a processed form like any quantization's: the preload cache and snapshot weight
-files hold it, and the method's config (part of the cache fingerprint) names it.
+packed layout (16-row blocks for the FMA kernels, or AMX tiles where the build runs on AMX) is a
+processed form like any quantization's: the preload cache and snapshot weight files hold it, and the
+method's config (part of the cache fingerprint) names it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels.cpu_gemm import gemm_bf16, pack_bf16
+from kernels.cpu_gemm import bf16_layout, gemm_bf16, pack_bf16
 from workers.quant.base import QuantLayer, QuantMethod
 
 
@@ -19,7 +20,7 @@ class PackedBf16(QuantMethod):
     name = "none"
 
     def config(self) -> dict:
-        return {"method": self.name, "layout": "cpu_bf16_packed16"}
+        return {"method": self.name, "layout": f"cpu_bf16_{bf16_layout()}"}
 
     def head_method(self) -> QuantMethod:
         return self  # the head is the largest single matmul of a decode step: pack it too
