@@ -74,6 +74,7 @@ class SpecStats:
 
 MAX_PAUSE = 32  # a draft model that stopped proposing tries one token again after at most this many steps
 DECAY = 0.9  # weight of older verifications in a request's acceptance estimate
+RIDGE = 4.0  # sizes squared: a fitted slope's shrinkage, strong below a spread of about 2
 PRIOR_COST = 0.05  # one more verified token's share of a step until steps of several sizes were timed
 
 
@@ -97,8 +98,13 @@ class Line:
         """(mean size, mean seconds, slope: None until sizes of more than one value were seen)."""
         mean_x, mean_y = self.sum_x / self.n, self.sum_y / self.n
         var = self.sum_xx / self.n - mean_x * mean_x
-        slope = (self.sum_xy / self.n - mean_x * mean_y) / var if var > 0.25 else None
-        return mean_x, mean_y, None if slope is None else max(0.0, slope)
+        if var <= 0.25:
+            return mean_x, mean_y, None
+        # shrunk toward zero while the sizes seen are close together: an overestimate there stops
+        # every proposal and so keeps the sizes close (it never corrects), an underestimate widens
+        # them (and is measured away)
+        slope = (self.sum_xy / self.n - mean_x * mean_y) / (var + RIDGE)
+        return mean_x, mean_y, max(0.0, slope)
 
     def at(self, x: float) -> float:
         """Seconds at size x (flat where only one size was seen: a CPU's few-row forwards are bound
