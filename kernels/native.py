@@ -4,10 +4,11 @@ Used by worker processes (and the preload daemon) on CPU devices. `load_native` 
 csrc/*.cpp with torch.utils.cpp_extension (only light ATen headers: 30-60 s on 2 cores, once) into
 $XDG_CACHE_HOME/ember/kernels/<key>, where the key pins the sources, torch and the CPU's feature
 flags (the build uses -march=native; $EMBER_CPU_MARCH names another target, e.g. haswell, to build
-and measure the 256-bit kernels on an AVX-512 machine), and registers torch.ops.ember.{gemm_bf16,
-gemm_fp8, qgemm, decode_attention, rms_norm, rotary_, silu_and_mul, write_kv}. `use_native` decides
-once per process; $EMBER_CPU_KERNELS=torch turns the native ops off (the torch references then run
-everywhere), =native makes their absence an error.
+and measure the 256-bit kernels on an AVX-512 machine, icelake-server the AVX-512 FMA ones on an
+AMX machine), and registers torch.ops.ember.{gemm_bf16 (on AMX tiles where the build targets them:
+csrc/cpu_amx.cpp), gemm_fp8, qgemm, decode_attention, rms_norm, rotary_, silu_and_mul, write_kv}.
+`use_native` decides once per process; $EMBER_CPU_KERNELS=torch turns the native ops off (the torch
+references then run everywhere), =native makes their absence an error.
 """
 
 from __future__ import annotations

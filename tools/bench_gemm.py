@@ -23,16 +23,17 @@ import torch
 QWEN_1_5B = "2048:1536,1536:1536,17920:1536,1536:8960,151936:1536"
 
 
-def timed(fn: Callable[[], object], budget: float = 0.5) -> float:
-    """Median ms of `fn` over repeats filling about `budget` seconds (at least 3, after a warm-up)."""
-    fn()
+def timed(fn: Callable[..., object], *args: object, budget: float = 0.5) -> float:
+    """Median ms of `fn(*args)` over repeats filling about `budget` seconds (at least 3, after a
+    warm-up)."""
+    fn(*args)
     start = time.perf_counter()
-    fn()
+    fn(*args)
     once = time.perf_counter() - start
     times = []
     for _ in range(max(3, min(50, int(budget / max(once, 1e-6))))):
         start = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2] * 1e3
 
@@ -70,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         packed, theirs = pack_bf16(weight), onednn(weight)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=gen).bfloat16()
-            ours = timed(lambda: gemm_bf16(x, packed, n))
-            dnn = f"{timed(lambda: theirs(x)):.3f}" if theirs is not None else "-"
-            plain = timed(lambda: torch.nn.functional.linear(x, weight))
+            ours = timed(gemm_bf16, x, packed, n)
+            dnn = f"{timed(theirs, x):.3f}" if theirs is not None else "-"
+            plain = timed(torch.nn.functional.linear, x, weight)
             gbps = n * k * 2 / (ours * 1e-3) / 1e9
             print(f"| {n} x {k} | {rows} | {ours:.3f} | {dnn} | {plain:.3f} | {gbps:.1f} |", flush=True)
     return 0

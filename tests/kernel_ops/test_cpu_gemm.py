@@ -283,3 +283,16 @@ def test_gemm_is_batch_invariant(native_ops, fmt: str) -> None:
     full = run(slice(0, 120))
     for rows in (slice(0, 1), slice(5, 7), slice(10, 13), slice(20, 24), slice(30, 37), slice(40, 100)):
         assert torch.equal(run(rows), full[rows]), rows
+
+
+def test_bench_gemm_prints_its_rows(native_ops, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.bench_gemm import main
+
+    threads = torch.get_num_threads()
+    try:
+        assert main(["--shapes", "40:33", "--rows", "1,17", "--threads", str(threads)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 x 33 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["1", "17"]
+    assert all(float(r.split(" | ")[2]) > 0 for r in rows)
