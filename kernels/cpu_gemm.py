@@ -19,7 +19,6 @@ from kernels.native import use_native
 
 BLOCK = 16
 AMX_CHUNK = 32  # k per AMX weight tile
-LAYOUTS = ("packed16", "amx32")
 
 
 def _native_pack(weight: torch.Tensor) -> bool:
