@@ -272,7 +272,7 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     forward_seconds: float = 0.0  # of which: the target's forward and logits (verification included)
     sample_seconds: float = 0.0  # of which: sampling and keeping the accepted proposals
     draft_seconds: float = 0.0  # of which: the draft model's forwards (catch-up and proposals)
-    draft_forwards: list[tuple[int, float]] = []  # the draft's short forwards: (rows, seconds) each
+    draft_forwards: list[tuple[int, float]] = []  # the draft's forwards: (tokens, seconds) each
 
 
 class WorkerReady(msgspec.Struct, kw_only=True):

@@ -9,9 +9,9 @@ gets all of it. When blocks run out a running request is preempted by recompute 
 queued again at the front), so a waiting request never holds blocks and none waits behind a request
 that holds none. New requests beyond `max_num_queued_*` raise `QueueFull`.
 `update_from_output` appends sampled tokens, applies stop conditions and frees finished requests.
-With speculative decoding (n-gram), a decoding request also carries proposed tokens
+With speculative decoding, a decoding request also carries proposed tokens
 (`SchedulerOutput.spec_token_ids`); blocks and computed tokens cover them until the workers report
-how many were kept, and the rest are rolled back (see `coreproc/spec_decode.py`).
+how many were kept, and the rest are rolled back; `coreproc/spec_control.py` chooses the proposals.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from coreproc.protocol import (
     SchedulerStats,
 )
 from coreproc.request import Request, RequestStatus
-from coreproc.spec_decode import ProposalLength, SpecStats, StepCost, propose_ngram
+from coreproc.spec_control import SpecControl
 from coreproc.waiting import WaitingQueue, validate
 
 
@@ -63,13 +63,8 @@ class Scheduler:
         self._forget: list[str] = []  # requests workers must drop at the next step
         self._arrivals = 0
         self.spec = config.speculative
-        self.spec_stats = SpecStats()
-        self.step_cost = StepCost()  # what a proposed token costs, from the steps' own timings
-        self._verify_share = 0.0  # StepCost.shares of the step whose output is being taken in
-        # a draft model writes KV for its proposals right after sampling: reserve those slots
-        self.lookahead = (
-            self.spec.num_speculative_tokens if self.spec and self.spec.method == "draft_model" else 0
-        )
+        self.speculation = None if self.spec is None else SpecControl(self.spec, self.max_model_len)
+        self.lookahead = 0 if self.speculation is None else self.speculation.lookahead
         self.num_steps = 0
         self.worker_busy_seconds = 0.0  # summed RunnerOutput.execute_seconds
         self.structured_seconds = 0.0  # summed RunnerOutput.structured_seconds
@@ -196,24 +191,6 @@ class Scheduler:
             return []  # a prefill chunk that samples nothing
         return self.kv.allocate_slots(req, n + self.lookahead) or []
 
-    def _length(self, req: Request) -> ProposalLength:
-        assert self.spec is not None
-        if req.proposal_length is None:
-            req.proposal_length = ProposalLength(self.spec.num_speculative_tokens, self.spec.adaptive)
-        return req.proposal_length
-
-    def _propose(self, req: Request, drafted: list[int]) -> None:
-        spec = self.spec
-        if spec is None:
-            return
-        if spec.method == "draft_model":
-            req.spec_token_ids = drafted  # as long as the step's draft_lengths said
-            return
-        guess = propose_ngram(
-            req.all_token_ids, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
-        req.spec_token_ids = self._length(req).take(guess, self._verify_share)
-
     def _prefill_share(self) -> int | None:
         """Tokens a long prefill may take this step when several prefills compete (None: no cap)."""
         if not self.long_prefill:
@@ -320,6 +297,7 @@ class Scheduler:
             spec_token_ids=spec_tokens,
         )
         self._forget = []
+        drafting: list[Request] = []  # decoding requests this step samples, with a draft model
         for req in self.running:
             num = scheduled.get(req.request_id)  # (not `n`: that name holds an int above)
             if num is None:
@@ -341,14 +319,17 @@ class Scheduler:
                     )
                 )
                 req.in_workers = True
+                if req.proposal_length is not None:
+                    req.proposal_length.drafted = 0  # fresh worker state: the draft's KV holds none of it
             num_spec = len(spec_tokens.get(req.request_id, ()))
             if self._samples(req, num - num_spec):
                 req.num_output_placeholders += 1  # this step samples a token the scheduler has not seen
                 if self.lookahead:
-                    k = self._length(req).choose(*self.step_cost.shares(len(scheduled)), False)
-                    if k < self.lookahead:
-                        out.draft_lengths[req.request_id] = k
+                    drafting.append(req)
             req.num_computed_tokens += num  # with proposals: rejected ones roll back in update_from_output
+        if drafting and self.speculation is not None:
+            plain = out.total_num_scheduled_tokens - sum(len(t) for t in spec_tokens.values())
+            self.speculation.plan(drafting, plain, out.draft_lengths)
         self.num_steps += 1
         return out
 
@@ -391,20 +372,11 @@ class Scheduler:
         self.split["forward_seconds"] += out.forward_seconds
         self.split["sample_seconds"] += out.sample_seconds
         self.split["draft_seconds"] += out.draft_seconds
-        if self.spec is not None:
-            self._time_step(sched, out)
+        if self.speculation is not None:
+            self.speculation.time_step(sched, out)
         outputs = self._take_output(sched, out)
         self.split["schedule_seconds"] += time.perf_counter() - start
         return outputs
-
-    def _time_step(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
-        """Feed the step cost model: decode-only steps' forward time by token count, the draft's time."""
-        total = sched.total_num_scheduled_tokens
-        spec = sched.spec_token_ids
-        if total and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
-            self.step_cost.record(total, out.forward_seconds)
-        self.step_cost.record_draft(out.draft_forwards)
-        self._verify_share = self.step_cost.shares(len(sched.num_scheduled_tokens))[0]
 
     def _take_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
@@ -432,14 +404,9 @@ class Scheduler:
                 prompt_lps = self._new_prompt_logprobs(req, prompt_lps, start)
             status = None
             accepted = 0
-            proposed = len(sched.spec_token_ids.get(rid, ()))
-            if proposed:  # drafts rejected: their KV positions are recomputed from the right tokens
-                kept = max(0, len(tokens) - 1)
-                req.num_computed_tokens -= proposed - kept
-                self.spec_stats.record(proposed, kept)
-                self._length(req).update(proposed, kept)
-            elif tokens and req.proposal_length is not None:
-                req.proposal_length.observe(tokens[0])
+            if self.speculation is not None:  # rejected proposals' KV positions are computed again
+                proposed = len(sched.spec_token_ids.get(rid, ()))
+                req.num_computed_tokens -= self.speculation.verified(req, proposed, tokens)
             req.num_output_placeholders = max(0, req.num_output_placeholders - min(1, len(tokens)))
             for token in tokens:
                 req.append_output_token(token)
@@ -450,8 +417,8 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-            elif tokens and self.spec is not None:
-                self._propose(req, out.spec_token_ids.get(rid, []))
+            elif tokens and self.speculation is not None:
+                self.speculation.propose(req, out.spec_token_ids.get(rid, []))
             if accepted or status is not None or prompt_lps:
                 outputs.append(
                     EngineOutput(
@@ -487,7 +454,7 @@ class Scheduler:
             prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits,
             prefix_cache_hit_rate=self.kv.hit_rate,
-            **(self.spec_stats.as_dict() if self.spec is not None else {}),  # the spec_* fields
+            **(self.speculation.stats.as_dict() if self.speculation is not None else {}),  # spec_* fields
         )
 
     def describe(self, limit: int = 8) -> dict:

@@ -12,9 +12,11 @@ speculation. `SpecStats` counts proposals and acceptances per position for stats
 
 `ProposalLength` adapts each request's k to its recent acceptance (`"adaptive": true`, the default),
 weighed against what a proposed token costs (`StepCost`, measured from the steps themselves): at
-batch 1 on a CPU one more verified token costs a few percent of a step and a draft token more, and
-a large batch pays more per token, so a request proposes as far as it pays and stops where it
-does not.
+batch 1 on a CPU one more verified token costs a few percent of a step, and a large batch pays more
+per token. An n-gram request proposes as far as it pays on its own. A draft model's forward costs
+much the same for one request as for several (it reads the draft's weights), and a request it skipped
+must be caught up over the tokens it missed before it proposes again, so `plan_drafts` chooses for the
+requests of a step together: which of them propose, and how far, or none.
 """
 
 from __future__ import annotations
@@ -72,10 +74,14 @@ class SpecStats:
         }
 
 
-MAX_PAUSE = 32  # a draft model that stopped proposing tries one token again after at most this many steps
 DECAY = 0.9  # weight of older verifications in a request's acceptance estimate
+RELAX = 0.98  # per step left out of a draft plan: the acceptance estimate drifts back to the prior
 RIDGE = 4.0  # sizes squared: a fitted slope's shrinkage, strong below a spread of about 2
 PRIOR_COST = 0.05  # one more verified token's share of a step until steps of several sizes were timed
+MAX_HORIZON = 32  # steps a draft's catch-up over a paused request's tokens is spread over, at most
+MAX_PAUSE = 32  # steps without a draft forward before one request probes again, at most
+WARMUP = 2  # first timings of each kind left out: a process's first forwards pay one-off set-up
+TRUSTED = 2.5  # decayed timings a line needs before plan_drafts weighs the batch with it
 
 
 @dataclass
@@ -115,66 +121,80 @@ class Line:
 
 @dataclass
 class StepCost:
-    """What one more token costs, as a share of a step: a line through the recent decode steps'
-    forward seconds against their token counts, and one through the draft model's short forwards
-    (one or two tokens a request; a prompt's catch-up is paid once per request, whatever it
-    proposes) against their rows."""
+    """What speculation costs, in seconds: a line through the recent decode steps' forward and
+    sampling seconds against their token counts, and one through the draft model's forwards against
+    their tokens (on a CPU a draft forward costs a large fixed part, reading the weights, plus a part
+    per token)."""
 
     steps: Line = field(default_factory=Line)
     draft: Line = field(default_factory=Line)
+    skipped: list[int] = field(default_factory=lambda: [0, 0])  # warm-up timings left out: steps, draft
 
     def record(self, tokens: int, seconds: float) -> None:
-        """A step that only decoded (and verified): its token count and forward seconds."""
-        self.steps.record(tokens, seconds)
+        """A step that only decoded (and verified): its token count and forward + sampling seconds."""
+        if self.skipped[0] < WARMUP:
+            self.skipped[0] += 1
+        else:
+            self.steps.record(tokens, seconds)
 
     def record_draft(self, forwards: list[tuple[int, float]]) -> None:
-        """A step's short draft forwards: (rows, seconds) each."""
-        for rows, seconds in forwards:
-            self.draft.record(rows, seconds)
+        """A step's draft forwards: (tokens, seconds) each."""
+        for tokens, seconds in forwards:
+            if self.skipped[1] < WARMUP:
+                self.skipped[1] += 1
+            else:
+                self.draft.record(tokens, seconds)
 
-    def shares(self, requests: int = 1) -> tuple[float, float]:
-        """(verify, draft): one more verified token and one more drafted token of one request, as
-        shares of that request's part of a plain decode step of `requests` requests (its time
-        divided by them). Against the plain step, not the step as speculation already made it: a
-        batch whose every request speculates pays all their tokens, and on a CPU past a few rows
-        each one can cost nearly as much as a request's whole share. A drafted token's cost is the
-        request's part of a draft forward over the whole batch (the forward runs once for all the
-        requests that propose; pricing it by the rows of forwards where few proposed would keep
-        every request from proposing)."""
-        requests = max(1, requests)
-        drafted = self.draft.at(requests) / requests if self.draft.n >= 1 else 0.0
+    @property
+    def trusted(self) -> bool:
+        """Whether both lines have enough timings to plan with."""
+        return self.steps.n >= TRUSTED and self.draft.n >= TRUSTED
+
+    def step(self, tokens: float) -> float:
+        """Seconds of a decode step of `tokens` tokens (0 before any was timed)."""
+        return self.steps.at(tokens) if self.steps.n >= 1 else 0.0
+
+    def verify(self, tokens: float) -> float:
+        """Seconds one more verified token adds to a step of `tokens` tokens: the fitted slope, or the
+        prior share of the step while one size was seen."""
         if self.steps.n < 1:
-            return PRIOR_COST * requests, 0.0
-        mean_t, mean_f, slope = self.steps.fit()
-        if slope is None:  # one step size so far: the prior share, and the draft against that step
-            return PRIOR_COST * requests, drafted * requests / mean_f if mean_f > 0 else 0.0
-        share = max(1e-9, mean_f + slope * (requests - mean_t)) / requests
-        return min(1.0, slope / share), drafted / share
+            return 0.0
+        slope = self.steps.fit()[2]
+        return PRIOR_COST * self.step(tokens) if slope is None else slope
+
+    def verify_share(self, requests: int = 1) -> float:
+        """One more verified token of one request as a share of that request's part of a plain
+        decode step of `requests` requests (against the plain step, not the step as speculation made
+        it: on a CPU past a few rows each verified token can cost nearly a request's whole share)."""
+        requests = max(1, requests)
+        if self.steps.n < 1:
+            return PRIOR_COST * requests
+        return min(1.0, self.verify(requests) * requests / self.step(requests))
 
 
 @dataclass
 class ProposalLength:
-    """How many tokens one request proposes next: the k (0 to `k_max`) that maximizes expected tokens
-    per unit of step time, (1 + a + a^2 + ... + a^k) / (1 + k * (verify + draft)), where a is the
-    request's recent acceptance rate per proposed token (decayed counts, a prior of one in two) and the
-    costs come from `StepCost`. A request whose proposals keep failing stops proposing; an n-gram
-    request (its proposals cost nothing to make) still checks its would-be proposal's first token
-    against the token produced (`observe`), and a draft model, which learns only by proposing, tries
-    one token again after 1, 2, 4 ... `MAX_PAUSE` steps without."""
+    """How many tokens one request proposes next. For n-gram proposals (`choose`): the k (0 to
+    `k_max`) that maximizes expected tokens per unit of step time, (1 + a + ... + a^k) / (1 + k *
+    verify), where a is the request's recent acceptance rate per proposed token (decayed counts, a
+    prior of one in two) and verify the cost of a verified token (`StepCost`); a request whose
+    proposals keep failing stops and still checks its would-be proposal's first token against the
+    token produced (`observe`). Draft-model requests are chosen together (`plan_drafts`): a draft
+    forward costs the batch the same whichever requests take part. `drafted` is how many of the
+    request's tokens the draft's KV holds (the scheduler's estimate)."""
 
     k_max: int
     adaptive: bool = True
     kept: float = 1.0
     trials: float = 2.0
-    idle: int = 0
-    backoff: int = 1
     guess: int | None = None
+    drafted: int = 0
 
     @property
     def acceptance(self) -> float:
         return self.kept / self.trials
 
-    def _count(self, kept: int, trials: int) -> None:
+    def _count(self, kept: float, trials: float) -> None:
         self.kept, self.trials = DECAY * self.kept + kept, DECAY * self.trials + trials
 
     def update(self, proposed: int, accepted: int) -> None:
@@ -183,25 +203,22 @@ class ProposalLength:
         if proposed:
             self._count(accepted, accepted + (accepted < proposed))
 
-    def choose(self, verify: float, draft: float, free: bool) -> int:
-        """The proposal length for the next step (`free`: proposals cost nothing to make)."""
+    def relax(self) -> None:
+        """A step without drafting: the estimate drifts back toward the prior (one in two), so a
+        request paused long enough is weighed again (a draft model learns only by proposing)."""
+        self.kept, self.trials = RELAX * self.kept + (1 - RELAX), RELAX * self.trials + 2 * (1 - RELAX)
+
+    def expected(self, k: int) -> float:
+        """Expected tokens a step gives with k proposals: 1 + a + ... + a^k."""
+        a = self.acceptance
+        return sum(a**j for j in range(k + 1))
+
+    def choose(self, verify: float) -> int:
+        """The proposal length for the next step (`verify`: a verified token's share of a step)."""
         if not self.adaptive:
             return self.k_max
-        best, k, gain, term = 1.0, 0, 1.0, 1.0
-        for j in range(1, self.k_max + 1):
-            term *= self.acceptance
-            gain += term
-            rate = gain / (1 + j * (verify + draft))
-            if rate > best:
-                best, k = rate, j
-        if k or free:
-            self.idle, self.backoff = 0, 1
-            return k
-        self.idle += 1
-        if self.idle < self.backoff:
-            return 0
-        self.idle, self.backoff = 0, min(MAX_PAUSE, 2 * self.backoff)
-        return 1
+        rates = [self.expected(k) / (1 + k * verify) for k in range(self.k_max + 1)]
+        return max(range(self.k_max + 1), key=lambda k: (rates[k], -k))
 
     def observe(self, token: int) -> None:
         """The token a request produced without verifying proposals: was its would-be proposal right?"""
@@ -212,6 +229,81 @@ class ProposalLength:
     def take(self, proposal: list[int], verify: float) -> list[int]:
         """The part of an n-gram proposal to verify next (its first token is kept as the guess when
         none is)."""
-        k = self.choose(verify, 0.0, free=True)
+        k = self.choose(verify)
         self.guess = proposal[0] if not k and proposal else None
         return proposal[:k]
+
+
+@dataclass(frozen=True)
+class DraftCandidate:
+    """A request that samples this step, as `plan_drafts` weighs it."""
+
+    length: ProposalLength
+    lag: int  # tokens the draft's KV lacks for it (caught up in the draft's first forward)
+    horizon: float  # steps a catch-up is spread over (those the request has left, at most MAX_HORIZON)
+
+
+def plan_drafts(cands: list[DraftCandidate], plain_tokens: int, cost: StepCost) -> list[int]:
+    """How many tokens the draft proposes for each candidate: the plan of most expected tokens per
+    second among "the m requests of highest acceptance, k each" (and "none"), with the batch's
+    costs: the draft's first forward (every chosen request's catch-up plus its newest token; a
+    catch-up is spread over the request's horizon), k - 1 more forwards of m tokens, and the k * m
+    tokens the next step verifies. Until the draft's forwards and the steps were timed a few times,
+    each request takes its own n-gram-style choice at the prior cost (the first steps measure it).
+    A plan of none costs nothing and teaches nothing: the caller probes now and then
+    (`DraftPause`)."""
+    if not cands:
+        return []
+    k_max = cands[0].length.k_max
+    if not cands[0].length.adaptive:
+        return [k_max] * len(cands)
+    if not cost.trusted:
+        return [c.length.choose(PRIOR_COST) for c in cands]
+    plain = cost.step(plain_tokens)
+    verify = cost.verify(plain_tokens)
+    mean_x, mean_y, slope = cost.draft.fit()  # the draft line, read once: the loops below are per request
+    slope = slope or 0.0
+    produced = len(cands)
+    best_rate, best_m, best_k = produced / plain, 0, 0
+    order = sorted(range(len(cands)), key=lambda i: (-cands[i].length.acceptance, cands[i].lag))
+    firsts, gains = [], []  # per request in that order: its part of the first forward, its gain by k
+    for i in order:
+        c, a = cands[i], cands[i].length.acceptance
+        firsts.append(1 + c.lag / max(1.0, c.horizon))
+        gains.append([sum(a**j for j in range(1, k + 1)) for k in range(k_max + 1)])
+    for k in range(1, k_max + 1):
+        gain, first = 0.0, 0.0
+        for m in range(1, len(order) + 1):
+            gain += gains[m - 1][k]
+            first += firsts[m - 1]
+            drafting = max(1e-9, mean_y + slope * (first - mean_x))
+            drafting += (k - 1) * max(1e-9, mean_y + slope * (m - mean_x))
+            rate = (produced + gain) / (plain + drafting + verify * m * k)
+            if rate > best_rate:
+                best_rate, best_m, best_k = rate, m, k
+    ks = [0] * len(cands)
+    for i in order[:best_m]:
+        ks[i] = best_k
+    return ks
+
+
+@dataclass
+class DraftPause:
+    """While no request drafts, one request probes a token after 1, 2, 4 ... `MAX_PAUSE` steps: the
+    one the draft holds most of (its catch-up is the shortest), so the timings and its acceptance stay
+    current at a small cost, and a plan that pays again is found."""
+
+    idle: int = 0
+    backoff: int = 1
+
+    def probe(self, cands: list[DraftCandidate], ks: list[int]) -> list[int]:
+        """`ks` as planned, or with one probe where none drafts and the pause is over."""
+        if any(ks) or not cands:
+            self.idle, self.backoff = 0, 1
+            return ks
+        self.idle += 1
+        if self.idle < self.backoff:
+            return ks
+        self.idle, self.backoff = 0, min(MAX_PAUSE, 2 * self.backoff)
+        pick = min(range(len(cands)), key=lambda i: (cands[i].lag, -cands[i].length.acceptance))
+        return [int(i == pick) for i in range(len(cands))]

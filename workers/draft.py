@@ -76,11 +76,10 @@ class DraftProposer:
         self.device = device
         self.k = num_tokens
         self.max_model_len = max_model_len
-        self._forwards: list[tuple[int, float]] = []  # (rows, seconds): forwards of at most 2 tokens a row
+        self._forwards: list[tuple[int, float]] = []  # (tokens, seconds) of each forward
 
     def pop_forwards(self) -> list[tuple[int, float]]:
-        """The short draft forwards since the last call, (rows, seconds) each; prompt catch-ups are
-        left out: they are paid once per request, not per proposal."""
+        """The draft forwards since the last call, catch-ups included: (tokens, seconds) each."""
         out, self._forwards = self._forwards, []
         return out
 
@@ -102,8 +101,7 @@ class DraftProposer:
         )
         last = [end - 1 for end in meta.query_start_loc_cpu[1:]]
         picks = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
-        if max(q_lens) <= 2:
-            self._forwards.append((len(ids), time.perf_counter() - start))
+        self._forwards.append((len(flat), time.perf_counter() - start))
         return picks
 
     def propose(self, jobs: list[DraftJob]) -> list[list[int]]:
