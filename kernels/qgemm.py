@@ -8,8 +8,9 @@ blocks of 16 rows, each a sequence of groups (the group's parameters, then its s
 padded to a multiple of 32. The K-quants keep their own compact parameters (`superblock`): per 256 k a
 float32 d (and -dmin) per row, then each group's signed-byte sub-scales (and sub-mins) before its
 steps, so a Q4_K weight streams 4.75 bits per weight instead of 6. The op quantizes each activation row
-per 32 k to int8 first (`quantize_activations`, as GGUF's Q8_0 does); `qgemm_torch` is its reference
-(the same quantization, then a float32 matmul with the dequantized weight).
+to int8 first (`quantize_activations`): per 32 k as GGUF's Q8_0 does, and per 256 k for the u4 / u5 / u6
+superblocks (as GGUF's Q8_K), whose integer sums then run over a whole superblock; `qgemm_torch` is its
+reference (the same quantization, then a float32 matmul with the dequantized weight).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ class QFormat:
     def params(self) -> int:
         """The op's parameter mode: 0 float32, 1 float16, 2 superblocks."""
         return 2 if self.superblock else int(self.half)
+
+    @property
+    def xgroup(self) -> int:
+        """k per activation scale: 256 for the u-kinds' superblocks (integer sums over a superblock,
+        as GGUF's Q8_K activations), else 32 (Q8_0's)."""
+        return SUPER if self.superblock and self.kind != "i8" else XGROUP
 
     @property
     def subs(self) -> int:
@@ -211,13 +218,14 @@ def unpack_qweight(packed: torch.Tensor, fmt: QFormat, n: int, k: int) -> torch.
     return w[:n, :k]
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the op sees it: per row and 32 k, round(x / d) * d with d = max |x| / 127 (float32)."""
+def quantize_activations(x: torch.Tensor, group: int = XGROUP) -> torch.Tensor:
+    """x [M, K] as the op sees it: per row and `group` k (a format's `xgroup`), round(x / d) * d with
+    d = max |x| / 127 (float32)."""
     m, k = x.shape
-    kp = padded_k(k)
+    kp = -(-k // group) * group
     xp = torch.zeros(m, kp, dtype=torch.float32)
     xp[:, :k] = x.float()
-    g = xp.view(m, kp // XGROUP, XGROUP)
+    g = xp.view(m, kp // group, group)
     d = g.abs().amax(dim=2, keepdim=True) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(g * inv) * d).view(m, kp)[:, :k]
@@ -226,7 +234,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 def qgemm_torch(x: torch.Tensor, packed: torch.Tensor, fmt: QFormat, n: int) -> torch.Tensor:
     """Reference: quantized activations @ dequantized weight.T in float32, in x's dtype."""
     k = x.shape[-1]
-    x2 = quantize_activations(x.reshape(-1, k))
+    x2 = quantize_activations(x.reshape(-1, k), fmt.xgroup)
     out = x2 @ unpack_qweight(packed, fmt, n, k).t()
     return out.to(x.dtype).view(*x.shape[:-1], n)
 

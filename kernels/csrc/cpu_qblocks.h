@@ -21,6 +21,9 @@ constexpr int kBlock = 16;          // output rows per block
 constexpr int64_t kXGroup = 32;     // k per activation scale
 constexpr int64_t kChunkSteps = 64;  // steps (256 k) of a block unpacked at once for many rows: 4 KiB, in L1
 constexpr int64_t kSuperSteps = 64;  // steps (256 k) of a superblock (kSuper parameters)
+// Rows from which many-row tiles walk two blocks at once with 512-bit vectors, so that each activation
+// broadcast feeds two (on a Zen 5, 32 and 512 rows 7-28% faster; 7 rows 5-25% slower, so one below).
+constexpr int64_t kPairRows = 16;
 enum QFmt { kI8 = 0, kU4 = 1, kU5 = 2, kU6 = 3 };
 constexpr int64_t step_bytes(int F) { return F == kU4 ? 32 : F == kU5 ? 40 : F == kU6 ? 48 : 64; }
 // Where a group's planes of high bits start, after its steps' nibbles (u5: 8 steps, u6: 4).
@@ -83,13 +86,15 @@ constexpr bool kVnni = EMBER_QVNNI;
 
 // One quantized activation row: q [Kp] int8, per 32 k its scale d and d * sum(q), per 16 k d * sum(q) (h,
 // for the minimums of groups of 16); u: q + 128 as bytes (q ^ 0x80, for the 512-bit i8 kernels; null
-// elsewhere).
+// elsewhere). For the superblock formats (cpu_qsuper.h) instead: q and d per 256 k, and b the integer
+// sums of q per weight group.
 struct XRow {
   const int8_t* q;
   const float* d;
   const float* s;
   const float* h;
   const uint8_t* u;
+  const int16_t* b;
   // d * sum(q) over group g of G = 4 GS k
   template <int GS>
   float sum(int64_t g) const {

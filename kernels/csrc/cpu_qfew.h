@@ -174,9 +174,23 @@ void few_tile(const XRow* x, const uint8_t* blk, const Weights& wt, int64_t g0, 
 
 // Block results (16 floats: rows 0..15) -> out[col .. col + 16) (fewer at the edge).
 inline void store_block(const VF (&v)[kHalves], float* out, int64_t col, int64_t n) {
+  if (n - col >= kBlock) {  // a whole block: no call to memmove per 16 floats
+    for (int h = 0; h < kHalves; ++h) vstoref(out + col + kLanes * h, v[h]);
+    return;
+  }
   alignas(64) float t[kBlock];
   for (int h = 0; h < kHalves; ++h) vstoref(t + kLanes * h, v[h]);
   std::copy(t, t + std::min<int64_t>(kBlock, n - col), out + col);
+}
+
+// The many-row paths' float sums acc [nb][M, 16] of blocks b .. b + nb -> out.
+inline void store_blocks(const float* acc, int64_t M, int64_t b, int64_t nb, float* out, int64_t ldo, int64_t n) {
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t m = 0; m < M; ++m) {
+      VF v[kHalves];
+      for (int h = 0; h < kHalves; ++h) v[h] = vloadf(acc + (j * M + m) * kBlock + kLanes * h);
+      store_block(v, out + m * ldo, (b + j) * kBlock, n);
+    }
 }
 
 // R rows against NB blocks from block b, over all groups, into out.

@@ -5,7 +5,9 @@
 // weight row meet their 4 activations in one multiply-add of bytes (AVX2: vpmaddubsw + vpmaddwd; AVX-VNNI /
 // AVX-512-VNNI: vpdpbusd, chosen at build time by -march=native). The integer sums are exact; each weight
 // group then adds sum * scale * d (+ offset * d * sum(q) for formats with a minimum) to a float32
-// accumulator, one fixed sequence per output whatever the number of rows: batch invariance.
+// accumulator, one fixed sequence per output whatever the number of rows: batch invariance. The K-quants'
+// superblocks (u4 / u5 / u6 with kSuper parameters) take their own path, cpu_qsuper.h: activations per
+// 256 k and integer sums over each superblock, one float step per 256 k.
 //
 // Weights come in blocks of 16 output rows, and within a block in steps of 4 k (see kernels/qgemm.py):
 //   i8: signed bytes, 64 per step: rows 0..7 then rows 8..15, each its 4 k together (Q8_0, Q6_K, int8);
@@ -24,6 +26,7 @@
 
 #include "cpu_qblocks.h"
 #include "cpu_qfew.h"
+#include "cpu_qsuper.h"
 #include "cpu_vec.h"
 
 #include <algorithm>
@@ -132,9 +135,6 @@ void chunk_rows(const XRow* x, int64_t m, const uint8_t* blk, const Weights& cw,
 // Rows per many-row tile: 4 x 2 sums in registers (u5's int32 sums between its runs too). With 512-bit
 // vectors 6 or 8 rows measured within noise of 4 (i8 too, where the bias is shared by the tile's rows).
 constexpr int kTileRows = 4;
-// Blocks per many-row tile from this many rows: with 512-bit vectors two, so that each activation
-// broadcast feeds two blocks (on a Zen 5, 32 and 512 rows 7-28% faster; 7 rows 5-25% slower, so one below).
-constexpr int64_t kPairRows = 16;
 
 // All M rows of a chunk against NB blocks: tiles of 4 rows, the last rest (1-3) rows one smaller tile.
 template <int NB, int F, int GS, int PM, bool MINS>
@@ -205,12 +205,7 @@ void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t 
         else
           chunk_all<1, F, GS, CPM, MINS>(x, M, blk, cw, c0, gn, acc.get());
       }
-      for (int64_t j = 0; j < nb; ++j)
-        for (int64_t m = 0; m < M; ++m) {
-          VF v[kHalves];
-          for (int h = 0; h < kHalves; ++h) v[h] = vloadf(acc.get() + (j * M + m) * kBlock + kLanes * h);
-          store_block(v, out + m * ldo, (b + j) * kBlock, n);
-        }
+      store_blocks(acc.get(), M, b, nb, out, ldo, n);
     }
   });
 }
@@ -257,7 +252,16 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
   const std::unique_ptr<int8_t[]> xq(new int8_t[M * Kp]);
   const std::unique_ptr<float[]> xd(new float[M * ng * 4]), obuf(new float[M * n]);
   float *xs = xd.get() + M * ng, *xh = xs + M * ng;
-  if (dtype == at::kBFloat16)
+  // the superblock formats' own path: activations per 256 k, integer sums over each superblock
+  const bool super = params == kSuper && fmt != kI8;
+  std::unique_ptr<int16_t[]> xb(super ? new int16_t[M * (Kp / group)] : nullptr);
+  if (super && dtype == at::kBFloat16)
+    quantize_rows_super(xc.const_data_ptr<c10::BFloat16>(), M, K, group, xq.get(), xd.get(), xb.get());
+  else if (super && dtype == at::kHalf)
+    quantize_rows_super(xc.const_data_ptr<c10::Half>(), M, K, group, xq.get(), xd.get(), xb.get());
+  else if (super)
+    quantize_rows_super(xc.const_data_ptr<float>(), M, K, group, xq.get(), xd.get(), xb.get());
+  else if (dtype == at::kBFloat16)
     quantize_rows(xc.const_data_ptr<c10::BFloat16>(), M, K, Kp, xq.get(), xd.get(), xs, xh);
   else if (dtype == at::kHalf)
     quantize_rows(xc.const_data_ptr<c10::Half>(), M, K, Kp, xq.get(), xd.get(), xs, xh);
@@ -275,17 +279,19 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
   }
   std::unique_ptr<XRow[]> rows(new XRow[M]);
   for (int64_t m = 0; m < M; ++m)
-    rows[m] = {xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng, xh + 2 * m * ng,
-               xu ? xu.get() + m * Kp : nullptr};
+    rows[m] = super ? XRow{xq.get() + m * Kp, xd.get() + m * (Kp / 256), nullptr, nullptr, nullptr,
+                           xb.get() + m * (Kp / group)}
+                    : XRow{xq.get() + m * Kp, xd.get() + m * ng, xs + m * ng, xh + 2 * m * ng,
+                           xu ? xu.get() + m * Kp : nullptr, nullptr};
   const Weights wt{packed.const_data_ptr<uint8_t>(), NBlk, packed.size(1), gbytes, pr, subs};
   at::Tensor out = at::empty({M, n}, xc.options());
   float* o = dtype == at::kFloat ? out.mutable_data_ptr<float>() : obuf.get();
   if (M > 0) {
     if (fmt == kI8 && group == 16) run_format<kI8, 4>(rows.get(), M, wt, o, n);
     if (fmt == kI8 && group == 32) run_format<kI8, 8>(rows.get(), M, wt, o, n);
-    if (fmt == kU4) run_format<kU4, 8>(rows.get(), M, wt, o, n);
-    if (fmt == kU5) run_format<kU5, 8>(rows.get(), M, wt, o, n);
-    if (fmt == kU6) run_format<kU6, 4>(rows.get(), M, wt, o, n);
+    if (fmt == kU4) super ? super_format<kU4, 8>(rows.get(), M, wt, o, n) : run_format<kU4, 8>(rows.get(), M, wt, o, n);
+    if (fmt == kU5) super ? super_format<kU5, 8>(rows.get(), M, wt, o, n) : run_format<kU5, 8>(rows.get(), M, wt, o, n);
+    if (fmt == kU6) super ? super_format<kU6, 4>(rows.get(), M, wt, o, n) : run_format<kU6, 4>(rows.get(), M, wt, o, n);
   }
   if (dtype == at::kBFloat16) store_row(o, out.mutable_data_ptr<c10::BFloat16>(), M * n);
   if (dtype == at::kHalf) store_row(o, out.mutable_data_ptr<c10::Half>(), M * n);

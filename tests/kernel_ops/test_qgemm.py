@@ -122,7 +122,7 @@ def test_qgemm_matches_reference(native_ops, fmt: QFormat, m: int, n: int, k: in
         out = qgemm(x, packed, fmt, n)
         assert out.shape == (m, n) and out.dtype == dtype
         ref = qgemm_torch(x, packed, fmt, n)
-        exact = quantize_activations(x).double() @ dense.t()
+        exact = quantize_activations(x, fmt.xgroup).double() @ dense.t()
         tol = 2e-6 * k if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.double(), exact, atol=tol, rtol=tol)
         torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
