@@ -1,7 +1,8 @@
 """Tests of the integer-dot CPU matmul for group-quantized weights (kernels/qgemm.py, csrc/cpu_qgemm.cpp).
 
 Every format (i8 with groups of 32 and 16, i8, u4 and u5 with zero points or offsets) round-trips through
-its packed layout exactly; the native op quantizes activations exactly as the torch reference does and
+its packed layout exactly; the native op quantizes activations exactly as the torch reference does (per
+32 k, and per 256 k for the K-quants' superblocks, whose sums are integers over a superblock) and
 equals the reference (quantized activations @ dequantized weight) within float32 summation order over
 every row-count path (1-3 rows against multi-block tiles, 4-row tiles and their 1-3 row tails, more
 than one 256-k chunk; with 512-bit vectors, 16+ rows over two blocks and an odd last one), odd input
@@ -101,6 +102,23 @@ def test_activations_are_quantized_like_the_reference(native_ops) -> None:
     x = torch.randn(7, k) * torch.logspace(-3, 2, k)
     x[3, :32] = 0.0  # an all-zero group: scale 0, no division by zero
     assert torch.equal(qgemm(x, packed, QFormat("i8"), k), quantize_activations(x))
+
+
+def test_superblock_activations_are_quantized_per_256(native_ops) -> None:
+    """A u6 identity (q - 32 = 1 on the diagonal, sub-scales and d 1) returns the superblock path's
+    activations, quantized per 256 k (Q8_K's groups): equal to the reference with that group, and not
+    the per-32 quantization of the other formats."""
+    k = 512
+    fmt = QFormat("u6", group=16, zero=32, superblock=True)
+    assert fmt.xgroup == 256 and QFormat("u4", offsets=True).xgroup == 32
+    q = (torch.eye(k) + 32).to(torch.uint8)
+    packed = pack_qweight(q, torch.ones(k, k // 16, dtype=torch.int8), fmt, None, torch.ones(k, 2, 1))
+    x = torch.randn(5, k) * torch.logspace(-3, 2, k)
+    x[2, 256:] = 0.0  # an all-zero superblock: scale 0
+    for m in (1, 5):  # the few-row and the many-row path
+        out = qgemm(x[:m], packed, fmt, k)
+        assert torch.equal(out, quantize_activations(x[:m], 256))
+        assert not torch.equal(out, quantize_activations(x[:m]))
 
 
 ROWS = [1, 2, 3, 4, 6, 11, 13, 18, 40]
