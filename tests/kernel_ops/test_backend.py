@@ -140,3 +140,13 @@ def test_select_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EMBER_ATTENTION_BACKEND", "flash")
     with pytest.raises(ValueError, match="torch"):
         select_backend(torch.device("cpu"))
+
+
+def test_native_build_key_covers_every_source() -> None:
+    """Every file in kernels/csrc is a compiled source or a header of the build key, so that editing
+    any of them rebuilds the native ops instead of loading a stale library."""
+    from kernels.native import HEADERS, SOURCES
+
+    csrc = SOURCES[0].parent
+    on_disk = {p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".h")}
+    assert on_disk == {p.name for p in SOURCES + HEADERS}
