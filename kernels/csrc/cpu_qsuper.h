@@ -28,6 +28,11 @@
 
 namespace qblocks {
 
+// Before a tile's loops over rows, blocks and halves: they unroll completely before GCC's scalar
+// replacement of arrays, so the tile's int32 sums stay in registers (left to GCC's later unrolling they
+// lived on the stack, and 32-row products took 1.1-1.4x as long).
+#define EMBER_TILE _Pragma("GCC unroll 16")
+
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 inline VI vadd(VI a, VI b) { return _mm512_add_epi32(a, b); }
 inline VI vmullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
@@ -129,25 +134,25 @@ template <int R, int NB, int F, int GS, bool OFFS, bool BYTES>
 inline __attribute__((always_inline)) void super_dots(const XRow* x, const SuperAt<F, GS, OFFS, BYTES>& at, int s,
                                                       int64_t t, VI (&is)[R][NB][kHalves]) {
   constexpr int H = kHalves;
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < H; ++h) is[r][j][h] = vzero();
+  EMBER_TILE for (int r = 0; r < R; ++r)
+    EMBER_TILE for (int j = 0; j < NB; ++j)
+      EMBER_TILE for (int h = 0; h < H; ++h) is[r][j][h] = vzero();
 #if !EMBER_QVNNI
   constexpr int RUN = std::min(run_of(F), GS);
   __m256i ps[R][NB][H];  // int16 sums of runs of steps
 #endif
   auto step = [&](int i) {
     VI xb[R];
-    for (int r = 0; r < R; ++r) {
+    EMBER_TILE for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, x[r].q + 4 * (t + i), 4);
       xb[r] = vbcast(four);
     }
-    for (int j = 0; j < NB; ++j) {
+    EMBER_TILE for (int j = 0; j < NB; ++j) {
       VI w[H];
       unpack<F, BYTES>(at.steps(j, s), i, w);
-      for (int h = 0; h < H; ++h)
-        for (int r = 0; r < R; ++r)
+      EMBER_TILE for (int h = 0; h < H; ++h)
+        EMBER_TILE for (int r = 0; r < R; ++r)
 #if EMBER_QVNNI
           is[r][j][h] = vdpbusd(is[r][j][h], w[h], xb[r]);
 #else
@@ -164,14 +169,14 @@ inline __attribute__((always_inline)) void super_dots(const XRow* x, const Super
   }
 #else
   auto widen = [&]() {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < H; ++h) is[r][j][h] = vdpwssd(is[r][j][h], ps[r][j][h], _mm256_set1_epi16(1));
+    EMBER_TILE for (int r = 0; r < R; ++r)
+      EMBER_TILE for (int j = 0; j < NB; ++j)
+        EMBER_TILE for (int h = 0; h < H; ++h) is[r][j][h] = vdpwssd(is[r][j][h], ps[r][j][h], _mm256_set1_epi16(1));
   };
   auto clear = [&]() {
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < H; ++h) ps[r][j][h] = vzero();
+    EMBER_TILE for (int r = 0; r < R; ++r)
+      EMBER_TILE for (int j = 0; j < NB; ++j)
+        EMBER_TILE for (int h = 0; h < H; ++h) ps[r][j][h] = vzero();
   };
   if constexpr (BYTES) {
     for (int i0 = 0; i0 < GS; i0 += RUN) {
@@ -202,27 +207,27 @@ void super_tile(const XRow* x, const uint8_t* unit0, const Weights& wt, int64_t 
     const At at(unit0 + u * us, wt, js);
     const int64_t ug = u0 + u;
     VI sum[R][NB][H];
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < H; ++h) sum[r][j][h] = vzero();
+    EMBER_TILE for (int r = 0; r < R; ++r)
+      EMBER_TILE for (int j = 0; j < NB; ++j)
+        EMBER_TILE for (int h = 0; h < H; ++h) sum[r][j][h] = vzero();
     for (int p = 0; p < At::kPairs; ++p) {
       VI bp[R];
-      for (int r = 0; r < R; ++r) {
+      EMBER_TILE for (int r = 0; r < R; ++r) {
         int32_t two;
         std::memcpy(&two, x[r].b + ug * At::kSubs + 2 * p, 4);
         bp[r] = vbcast(two);
       }
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < H; ++h) {
+      EMBER_TILE for (int j = 0; j < NB; ++j)
+        EMBER_TILE for (int h = 0; h < H; ++h) {
           const VI c = at.pair(j, p, h);
-          for (int r = 0; r < R; ++r) sum[r][j][h] = vdpwssd(sum[r][j][h], c, bp[r]);
+          EMBER_TILE for (int r = 0; r < R; ++r) sum[r][j][h] = vdpwssd(sum[r][j][h], c, bp[r]);
         }
     }
     if constexpr (OFFS)
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < H; ++h) {
+      EMBER_TILE for (int j = 0; j < NB; ++j)
+        EMBER_TILE for (int h = 0; h < H; ++h) {
           const VF nd = at.nd(j, h);
-          for (int r = 0; r < R; ++r) {
+          EMBER_TILE for (int r = 0; r < R; ++r) {
             acc[r][j][h] = vfma(vfloat(sum[r][j][h]), vmul(nd, vset(x[r].d[ug])), acc[r][j][h]);
             sum[r][j][h] = vzero();
           }
@@ -231,16 +236,16 @@ void super_tile(const XRow* x, const uint8_t* unit0, const Weights& wt, int64_t 
     for (int s = 0; s < At::kSubs; ++s) {
       VI is[R][NB][H];
       super_dots<R, NB, F, GS, OFFS, BYTES>(x, at, s, (ug * At::kSubs + s) * GS, is);
-      for (int j = 0; j < NB; ++j)
-        for (int h = 0; h < H; ++h) {
+      EMBER_TILE for (int j = 0; j < NB; ++j)
+        EMBER_TILE for (int h = 0; h < H; ++h) {
           const VI sc = at.scale(j, s, h);
-          for (int r = 0; r < R; ++r) sum[r][j][h] = vadd(sum[r][j][h], vmullo(is[r][j][h], sc));
+          EMBER_TILE for (int r = 0; r < R; ++r) sum[r][j][h] = vadd(sum[r][j][h], vmullo(is[r][j][h], sc));
         }
     }
-    for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < H; ++h) {
+    EMBER_TILE for (int j = 0; j < NB; ++j)
+      EMBER_TILE for (int h = 0; h < H; ++h) {
         const VF d = at.d(j, h);
-        for (int r = 0; r < R; ++r)
+        EMBER_TILE for (int r = 0; r < R; ++r)
           acc[r][j][h] = vfma(vfloat(sum[r][j][h]), vmul(d, vset(x[r].d[ug])), acc[r][j][h]);
       }
   }
