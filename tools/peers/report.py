@@ -99,12 +99,19 @@ def render_table(results: list[PeerResult], n: int, prefill_len: int) -> list[st
     return lines
 
 
+def gpu_note(machine: dict, args: argparse.Namespace) -> str:
+    """ ", GPU NAME (Ember and transformers on cuda)" for a run on a GPU, else ""."""
+    device = getattr(args, "device", "cpu")
+    return "" if device == "cpu" else f", GPU {machine.get('gpu')} (Ember and transformers on {device})"
+
+
 def header_lines(machine: dict, model: dict, args: argparse.Namespace) -> list[str]:
     weights = f", weights {args.gguf}" if getattr(args, "gguf", None) else ""
     return [
         f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} usable), "
         f"{machine['memory_gib']} GiB RAM, {machine['os']}, Python {machine['python']}, "
-        f"ISA {' '.join(machine['isa']) or '?'}, load average {machine['load_average']} at the start",
+        f"ISA {' '.join(machine['isa']) or '?'}, load average {machine['load_average']} at the start"
+        + (gpu_note(machine, args)),
         f"model: {model['path']} ({model['architecture']}, {model['params'] / 1e6:.1f}M params, "
         f"{model['dtype']}){weights}",
         f"workload: greedy, ignore EOS, {args.num_prompts} prompts x {args.input_len} in / "

@@ -46,7 +46,9 @@ def main(job_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
     load_start = time.time()
     model = job.get("gguf") or job["model"]
-    config = EngineConfig.create(model, dtype=job["dtype"], max_model_len=job["max_model_len"])
+    config = EngineConfig.create(
+        model, dtype=job["dtype"], max_model_len=job["max_model_len"], device=job.get("device", "cpu")
+    )
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     with LLM(config=config, show_progress=False) as llm:
         ready_at = time.time()

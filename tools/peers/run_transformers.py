@@ -25,15 +25,16 @@ def main(job_path: str) -> None:
     load_start = time.time()
     dtype = "auto" if job["dtype"] == "auto" else getattr(torch, job["dtype"])
     tok = AutoTokenizer.from_pretrained(job["model"])
-    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype)
+    device = job.get("device", "cpu")
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=dtype).to(device)
     model.eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     ready_at = time.time()
 
     def generate(prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
         width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
@@ -44,6 +45,8 @@ def main(job_path: str) -> None:
                 do_sample=False,
                 pad_token_id=pad,
             )
+        if device != "cpu":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         return seconds, int((out.shape[1] - width) * len(prompts))
 
