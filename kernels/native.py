@@ -41,7 +41,15 @@ SOURCES = tuple(
 )
 HEADERS = tuple(
     Path(__file__).with_name("csrc") / f
-    for f in ("cpu_vec.h", "cpu_ops.h", "cpu_qblocks.h", "cpu_qfew.h", "cpu_qsuper.h", "cpu_gemm512.h")
+    for f in (
+        "cpu_vec.h",
+        "cpu_ops.h",
+        "cpu_qblocks.h",
+        "cpu_qfew.h",
+        "cpu_qsuper.h",
+        "cpu_qamx.h",
+        "cpu_gemm512.h",
+    )
 )
 LIBRARY = "ember_cpu_ops"
 REQUIRED_FLAGS = ("avx2", "fma", "f16c")

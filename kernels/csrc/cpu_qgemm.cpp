@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include "cpu_qamx.h"
 #include "cpu_qblocks.h"
 #include "cpu_qfew.h"
 #include "cpu_qsuper.h"
@@ -249,11 +250,13 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "qgemm: activations must be float32, bfloat16 or float16");
   const int64_t ng = Kp / kXGroup;
-  const std::unique_ptr<int8_t[]> xq(new int8_t[M * Kp]);
-  const std::unique_ptr<float[]> xd(new float[M * ng * 4]), obuf(new float[M * n]);
-  float *xs = xd.get() + M * ng, *xh = xs + M * ng;
   // the superblock formats' own path: activations per 256 k, integer sums over each superblock
   const bool super = params == kSuper && fmt != kI8;
+  const int64_t Mq = super && qamx_pads(M) ? (M + 15) / 16 * 16 : M;  // AMX tiles read 16 rows at a time
+  const std::unique_ptr<int8_t[]> xq(new int8_t[Mq * Kp]);
+  std::fill(xq.get() + M * Kp, xq.get() + Mq * Kp, int8_t{0});
+  const std::unique_ptr<float[]> xd(new float[M * ng * 4]), obuf(new float[M * n]);
+  float *xs = xd.get() + M * ng, *xh = xs + M * ng;
   std::unique_ptr<int16_t[]> xb(super ? new int16_t[M * (Kp / group)] : nullptr);
   if (super && dtype == at::kBFloat16)
     quantize_rows_super(xc.const_data_ptr<c10::BFloat16>(), M, K, group, xq.get(), xd.get(), xb.get());
@@ -289,9 +292,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
   if (M > 0) {
     if (fmt == kI8 && group == 16) run_format<kI8, 4>(rows.get(), M, wt, o, n);
     if (fmt == kI8 && group == 32) run_format<kI8, 8>(rows.get(), M, wt, o, n);
-    if (fmt == kU4) super ? super_format<kU4, 8>(rows.get(), M, wt, o, n) : run_format<kU4, 8>(rows.get(), M, wt, o, n);
-    if (fmt == kU5) super ? super_format<kU5, 8>(rows.get(), M, wt, o, n) : run_format<kU5, 8>(rows.get(), M, wt, o, n);
-    if (fmt == kU6) super ? super_format<kU6, 4>(rows.get(), M, wt, o, n) : run_format<kU6, 4>(rows.get(), M, wt, o, n);
+    if (fmt == kU4) super ? super_matmul<kU4, 8>(rows.get(), xq.get(), M, Kp, wt, o, n) : run_format<kU4, 8>(rows.get(), M, wt, o, n);
+    if (fmt == kU5) super ? super_matmul<kU5, 8>(rows.get(), xq.get(), M, Kp, wt, o, n) : run_format<kU5, 8>(rows.get(), M, wt, o, n);
+    if (fmt == kU6) super ? super_matmul<kU6, 4>(rows.get(), xq.get(), M, Kp, wt, o, n) : run_format<kU6, 4>(rows.get(), M, wt, o, n);
   }
   if (dtype == at::kBFloat16) store_row(o, out.mutable_data_ptr<c10::BFloat16>(), M * n);
   if (dtype == at::kHalf) store_row(o, out.mutable_data_ptr<c10::Half>(), M * n);
@@ -299,6 +302,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
 }
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
+  // whether the K-quants' many-row products run on AMX tiles here (cpu_qamx.h): tests and benchmarks
+  m.def("qgemm_tiles() -> bool", [] { return qamx_ready(); });
   m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, int params, int n) -> Tensor",
         qgemm);
 }

@@ -149,6 +149,25 @@ def test_qgemm_matches_reference(native_ops, fmt: QFormat, m: int, n: int, k: in
             assert torch.equal(qgemm(x[m - 1 :], packed, fmt, n), out[m - 1 :])
 
 
+@pytest.mark.parametrize("fmt", [f for f in SUPER_FORMATS if f.kind != "i8"], ids=fmt_id)
+def test_tile_path_equals_the_vector_path(native_ops, fmt: QFormat) -> None:
+    """The K-quants' many-row products on AMX tiles (where this build and CPU have them: torch.ops.ember.
+    qgemm_tiles) give every row the bits of the row alone on the vector path (cpu_qamx.h): rows on both
+    sides of each format's threshold, 16-row tiles with padding, thread chunks of 8 blocks with a rest,
+    a partial last block and several superblocks."""
+    n, k = 200, 1280
+    packed, dense, _ = random_weight(fmt, n, k, 7)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(70, k, generator=gen).bfloat16()
+    alone = torch.cat([qgemm(x[i : i + 1], packed, fmt, n) for i in range(x.shape[0])])
+    for m in (8, 15, 16, 17, 33, 70):
+        assert torch.equal(qgemm(x[:m], packed, fmt, n), alone[:m]), f"{m} rows"
+    exact = quantize_activations(x.float(), fmt.xgroup).double() @ dense.t()
+    torch.testing.assert_close(alone.double(), exact, atol=1e-2, rtol=1e-2)
+    tiles = "on" if torch.ops.ember.qgemm_tiles() else "not built or not granted here"
+    print(f"{fmt_id(fmt)}: tile path {tiles}")
+
+
 def test_qgemm_refuses_mismatched_shapes(native_ops) -> None:
     fmt = QFormat("u4", offsets=True)
     packed, _, _ = random_weight(fmt, 32, 64, 0)
