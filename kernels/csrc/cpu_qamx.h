@@ -13,9 +13,10 @@
 // row; u6's low bytes are masked, the signed product borrowing from its neighbour). Q4_K / Q5_K's minimums
 // (sum_s min_s bsum_s) stay on the vector units (vpdpwssd, as super_tile), beside the tile unit.
 //
-// Tiles: 0-5 the int32 sums of two blocks' planes for 16 rows, 6 the rows' int8 activations (64 k), 7 a
-// plane's weight tile (64 k of 16 rows: 16 steps of 64 bytes, the unpacked layout's order). Activation rows
-// are read 16 at a time, so the caller pads them to a multiple of 16 rows. Included by cpu_qgemm.cpp only.
+// Tiles: two sets of P accumulators (int32 sums of one block's planes for 16 rows), the rows' int8
+// activations (64 k), and weight tiles (a plane's 64 k of 16 rows: 16 steps of 64 bytes, the unpacked
+// layout's order); see amx_issue. Activation rows are read 16 at a time, so the caller pads them to a
+// multiple of 16 rows. Included by cpu_qgemm.cpp only.
 
 #pragma once
 
