@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from coreproc.errors import ConfigError
-from coreproc.gguf_file import GGUFFile, find_gguf
+from coreproc.gguf_file import find_gguf, open_gguf
 from coreproc.host import default_model_dir
 from coreproc.options import option
 
@@ -172,7 +172,7 @@ def _read_gguf(path: Path) -> tuple[dict[str, Any], list[int]]:
     """A GGUF file's implied config.json and EOS ids; ConfigError for tensor types Ember cannot read."""
     from coreproc.text.gguf_tokenizer import gguf_eos_token_ids
 
-    gguf = GGUFFile(path, vocabulary=False)
+    gguf = open_gguf(path)
     gguf.check_types()
     try:
         return gguf.hf_config, gguf_eos_token_ids(gguf.metadata)

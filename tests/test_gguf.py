@@ -24,7 +24,7 @@ from hf_ref import check_logprobs_close, check_outputs_equal, hf_greedy
 from coreproc import LLM, SamplingParams
 from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError
-from coreproc.gguf_file import SUPPORTED_TYPES, GGUFFile, find_gguf
+from coreproc.gguf_file import SUPPORTED_TYPES, GGUFFile, StringArray, find_gguf, open_gguf
 from coreproc.model_config import ModelConfig
 from tools.hf_to_gguf import write_gguf
 from workers.gguf_dequant import SUPPORTED
@@ -60,11 +60,33 @@ def test_header_reads_as_the_gguf_package_reads_it(gguf_of):
     ours, ref = GGUFFile(path), GGUFReader(path)
     expected = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
     assert ours.metadata == expected
-    assert {k: type(v) for k, v in ours.metadata.items()} == {k: type(v) for k, v in expected.items()}
+
+    def kind(value: object) -> type:  # arrays of strings are decoded when first read
+        return list if isinstance(value, StringArray) else type(value)
+
+    assert {k: kind(v) for k, v in ours.metadata.items()} == {k: type(v) for k, v in expected.items()}
     for t in ref.tensors:
         info = ours.tensors[t.name]
         assert (info.qtype, info.offset, info.nbytes) == (t.tensor_type, t.data_offset, t.n_bytes)
         assert info.shape == tuple(int(d) for d in reversed(t.shape))
+
+
+def test_one_parse_is_shared_while_the_file_stays_the_same(gguf_of, tmp_path):
+    _, llama = gguf_of("llama")
+    _, qwen = gguf_of("qwen2")
+    path = tmp_path / "model.gguf"
+    shutil.copy(llama, path)
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first and first.architecture == "llama"
+    config = first.hf_config
+    config["num_hidden_layers"] = -1  # a caller's edits stay its own
+    assert first.hf_config["num_hidden_layers"] > 0
+    tokens = "tokenizer.ggml.tokens"
+    assert list(first.metadata[tokens]) == list(GGUFFile(llama).metadata[tokens])
+    shutil.copy(qwen, path)  # replaced in place: parsed again
+    assert open_gguf(path).architecture == "qwen2"
+    with pytest.raises(ConfigError, match="cannot read GGUF file"):
+        open_gguf(tmp_path / "missing.gguf")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -43,10 +43,11 @@ CHAT = [
 
 
 def read_metadata(path: Path) -> dict[str, Any]:
-    """As `gguf.GGUFReader(path)`'s fields' `contents()` give it (tests/test_gguf.py checks), faster."""
-    from coreproc.gguf_file import GGUFFile
+    """As `gguf.GGUFReader(path)`'s fields' `contents()` give it (tests/test_gguf.py checks), faster (arrays
+    of strings as lists, ready to be written again)."""
+    from coreproc.gguf_file import GGUFFile, StringArray
 
-    return GGUFFile(path).metadata
+    return {k: list(v) if isinstance(v, StringArray) else v for k, v in GGUFFile(path).metadata.items()}
 
 
 def write_gguf(path: Path, metadata: dict[str, Any]) -> Path:

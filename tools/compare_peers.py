@@ -249,6 +249,10 @@ def peer_command(
     """The runner command line of ``peer``, installing the peer first where needed (PeerError if not)."""
     work = Path(args.work_dir).expanduser()
     if peer == "ember":
+        # bytecode, as an installed wheel has it (pip compiles at install time); a checkout run with
+        # PYTHONDONTWRITEBYTECODE would otherwise compile Ember's modules at every start
+        packages = ["coreproc", "workers", "kernels", "frontend", "tools"]
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *packages], cwd=REPO, capture_output=True)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         return [sys.executable, "-m", "tools.peers.run_ember", str(job)]
     if peer == "transformers":

@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from coreproc.errors import EmberError
-from coreproc.gguf_file import GGUFFile, is_gguf
+from coreproc.gguf_file import is_gguf, open_gguf
 from kernels import AttentionBackend
 from workers.gguf_weights import GGUFTensor, iter_gguf
 from workers.models import resolve
@@ -78,7 +78,7 @@ def open_checkpoint(
     """How many tensors the files hold, and the lazy (file, name, tensor) iterator over them (a GGUF
     file's quantized tensors as stored when `native_gguf`)."""
     if len(files) == 1 and is_gguf(files[0]):
-        gguf = GGUFFile(files[0], vocabulary=False)
+        gguf = open_gguf(files[0])
         return len(gguf.tensors), iter_gguf(gguf, native_gguf)
     total = 0
     for path in files:
@@ -203,9 +203,7 @@ def read_hf_config(model_dir: str) -> Any:
 
     gguf = is_gguf(model_dir)
     raw = (
-        GGUFFile(model_dir, vocabulary=False).hf_config
-        if gguf
-        else json.loads((Path(model_dir) / "config.json").read_text())
+        open_gguf(model_dir).hf_config if gguf else json.loads((Path(model_dir) / "config.json").read_text())
     )
     light = SimpleNamespace(**{**LLAMA_DEFAULTS, **raw})
     kind = raw.get("model_type")

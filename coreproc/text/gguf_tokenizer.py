@@ -159,7 +159,7 @@ def _merges(
     """The file's merges, or (sentencepiece files store none) the merges its token scores imply."""
     merges = metadata.get("tokenizer.ggml.merges")
     if merges:
-        return [tuple(merge.split(" ")) for merge in merges]
+        return [merge.partition(" ")[::2] for merge in merges]
     scores = metadata.get("tokenizer.ggml.scores")
     if not scores:
         what = "tokenizer.ggml.merges" if byte_level else "tokenizer.ggml.merges or tokenizer.ggml.scores"
@@ -182,8 +182,10 @@ def _merges_from_scores(vocab: Mapping[str, int], scores: Mapping[str, float]) -
 
 def _byte_level_backend(tokens: list[str], merges: list[tuple[str, str]]) -> Backend:
     """GPT-2's byte-level BPE (transformers' GPT2Tokenizer): its split, no normalizer, byte decoding."""
-    alphabet = BYTE_ALPHABET
-    vocab = {(t if alphabet.issuperset(t) else _respell(t)): index for index, t in enumerate(tokens)}
+    if BYTE_ALPHABET.issuperset("".join(tokens)):  # the usual case, checked at once
+        vocab = dict(zip(tokens, range(len(tokens))))
+    else:
+        vocab = {_respell(t): index for index, t in enumerate(tokens)}
     model = BPE(
         vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False
     )

@@ -361,9 +361,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     """The fast tokenizer stored in a local checkpoint folder, or described by a GGUF file's metadata
     (ValueError naming the folder or file if not)."""
     if path.endswith(".gguf"):
-        from coreproc.gguf_file import GGUFFile
+        from coreproc.gguf_file import open_gguf
 
-        return tokenizer_from_gguf(GGUFFile(path).metadata, path)
+        return tokenizer_from_gguf(open_gguf(path).metadata, path)
     folder = Path(path)
     if not (folder / "tokenizer.json").is_file():
         what = "no tokenizer.json (Ember needs a fast tokenizer)" if folder.is_dir() else "no such folder"

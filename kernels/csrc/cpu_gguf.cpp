@@ -209,8 +209,19 @@ struct BlockSrc {
   int rows;
 };
 
-// Pack one block of up to 16 rows into dst (units * ubytes bytes, zeroed by the caller); row_buf: Kp bytes.
-void pack_block(const Layout& f, const BlockSrc& s, uint8_t* dst, uint8_t* row_buf) {
+inline uint32_t load32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline void store32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// Pack one block of up to 16 rows into dst (units * ubytes bytes, zeroed by the caller); buf: 16 * Kp
+// bytes. Walks the output in order: each 4-k step of a group takes 4 bytes of each of the 16 rows (u4 and
+// up: rows r and r + 8 share a byte, low and high nibble; the fifth / high bits of each byte gather in a
+// plane after the nibbles), so every output word is written once.
+void pack_block(const Layout& f, const BlockSrc& s, uint8_t* dst, uint8_t* buf) {
   auto put = [&](uint8_t* p, float v) {
     if (f.params == 1) {
       const uint16_t bits = c10::Half(v).x;
@@ -219,15 +230,23 @@ void pack_block(const Layout& f, const BlockSrc& s, uint8_t* dst, uint8_t* row_b
       std::memcpy(p, &v, 4);
     }
   };
+  // the 16 rows' bytes, zero past K and past the block's rows (read in place when there is no padding)
+  const uint8_t* rows = s.q;
+  int64_t stride = s.qstride;
+  if (s.rows < 16 || f.K != f.Kp) {
+    for (int r = 0; r < 16; ++r) {
+      uint8_t* row = buf + r * f.Kp;
+      const int64_t have = r < s.rows ? f.K : 0;
+      if (have) std::memcpy(row, s.q + r * s.qstride, have);
+      std::fill(row + have, row + f.Kp, 0);
+    }
+    rows = buf, stride = f.Kp;
+  }
   const int64_t G = f.G, steps = f.steps;
-  // per row: its bytes zero-padded to Kp, then 4 k at a time into each step (as uint32)
-  for (int r = 0; r < s.rows; ++r) {
-    std::memcpy(row_buf, s.q + r * s.qstride, f.K);
-    std::fill(row_buf + f.K, row_buf + f.Kp, 0);
-    const int h = r / 8, i = r % 8;
-    for (int64_t g = 0; g < f.groups; ++g) {
-      uint8_t* head = dst + (g / f.subs) * f.ubytes;
-      uint8_t* o = head + f.sbytes + (g % f.subs) * f.gstride;
+  for (int64_t g = 0; g < f.groups; ++g) {
+    uint8_t* head = dst + (g / f.subs) * f.ubytes;
+    uint8_t* o = head + f.sbytes + (g % f.subs) * f.gstride;
+    for (int r = 0; r < s.rows; ++r) {
       if (f.sup) {
         o[r] = s.ss[r * G + g];
         if (f.has_off) o[16 + r] = s.sm[r * G + g];
@@ -238,26 +257,28 @@ void pack_block(const Layout& f, const BlockSrc& s, uint8_t* dst, uint8_t* row_b
         put(o + r * f.psize, s.sp[r * G + g]);
         if (f.has_off) put(o + (16 + r) * f.psize, s.op[r * G + g]);
       }
-      uint8_t* d = o + f.pbytes;
-      for (int64_t st = 0; st < steps; ++st) {
-        uint32_t v, w;
-        std::memcpy(&v, row_buf + (g * steps + st) * 4, 4);
-        if (f.kind == 0) {
-          std::memcpy(d + st * 64 + 32 * h + 4 * i, &v, 4);
-          continue;
-        }
-        uint8_t* nib = d + st * 32 + 4 * i;
-        std::memcpy(&w, nib, 4);
-        w |= (v & 0x0F0F0F0Fu) << (4 * h);
-        std::memcpy(nib, &w, 4);
-        if (f.kind >= 2) {  // u5: bit st of each byte the fifth bit; u6: bits 2 st, 2 st + 1 the high two
-          uint8_t* plane = d + steps * 32 + 32 * h + 4 * i;
-          std::memcpy(&w, plane, 4);
-          w |= f.kind == 2 ? ((v >> 4) & 0x01010101u) << st : ((v >> 4) & 0x03030303u) << (2 * st);
-          std::memcpy(plane, &w, 4);
-        }
-      }
     }
+    uint8_t* d = o + f.pbytes;
+    const uint8_t* src = rows + g * f.group;
+    if (f.kind == 0) {  // i8: step st, row r at st * 64 + 4 r
+      for (int64_t st = 0; st < steps; ++st)
+        for (int r = 0; r < 16; ++r) std::memcpy(d + st * 64 + 4 * r, src + r * stride + 4 * st, 4);
+      continue;
+    }
+    for (int64_t st = 0; st < steps; ++st)
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t lo = load32(src + i * stride + 4 * st), hi = load32(src + (i + 8) * stride + 4 * st);
+        store32(d + st * 32 + 4 * i, (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4));
+      }
+    if (f.kind >= 2)  // u5: bit st of each byte the fifth bit; u6: bits 2 st, 2 st + 1 the high two
+      for (int r = 0; r < 16; ++r) {
+        uint32_t w = 0;
+        for (int64_t st = 0; st < steps; ++st) {
+          const uint32_t v = load32(src + r * stride + 4 * st) >> 4;
+          w |= f.kind == 2 ? (v & 0x01010101u) << st : (v & 0x03030303u) << (2 * st);
+        }
+        store32(d + steps * 32 + 4 * r, w);  // 32 h + 4 i with r = 8 h + i
+      }
   }
 }
 
@@ -290,7 +311,7 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor
   const float* up = f.sup ? uc.const_data_ptr<float>() : nullptr;
   uint8_t* dst = out.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> row_buf(f.Kp);
+    std::vector<uint8_t> row_buf(16 * f.Kp);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * 16, G = f.G;
       BlockSrc s{qp + r0 * f.K,
@@ -331,7 +352,7 @@ void gguf_pack(const at::Tensor& raw, int64_t type, int64_t n, int64_t k, const 
   const int64_t rstride = raw.stride(0);
   uint8_t* dst = out.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> q(16 * k), row_buf(f.Kp), sc(16 * G * psize), of(16 * G * psize);
+    std::vector<uint8_t> q(16 * k), row_buf(16 * f.Kp), sc(16 * G * psize), of(16 * G * psize);
     std::vector<float> up(16 * f.units * f.P);
     for (int64_t b = b0; b < b1; ++b) {
       const int rows = static_cast<int>(std::min<int64_t>(16, n - b * 16));

@@ -1,7 +1,9 @@
 """compare_peers runner for Ember itself, through its offline API (`coreproc.LLM`) in this process.
 
-Usage: `python -m tools.peers.run_ember JOB.json` from the repository root. Builds the engine (on the
-job's GGUF file when it names one), times its first request's first token, warms up, times one
+Usage: `python -m tools.peers.run_ember JOB.json` from the repository root. Starts as Ember's own engine
+process does (`coreproc.startup.boot`: no garbage collection from the first import until the engine is
+up, then `settle()`), builds the engine (on the job's GGUF file when it names one), times its first
+request's first token, warms up, times one
 `generate` of all batch prompts, one streamed single request and one long prompt's prefill (the timing
 functions of `ember bench throughput` / `ember bench latency`), and prints one JSON line prefixed
 `PEER_RESULT `.
@@ -9,6 +11,7 @@ functions of `ember bench throughput` / `ember bench latency`), and prints one J
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -35,12 +38,14 @@ def ember_version() -> str:
 
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
+    gc.disable()
     import torch
 
     torch.set_num_threads(job["threads"])
     from coreproc.config import EngineConfig
     from coreproc.llm import LLM
     from coreproc.protocol import SamplingParams
+    from coreproc.startup import boot
     from frontend.bench.latency import time_request
 
     params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)
@@ -52,6 +57,7 @@ def main(job_path: str) -> None:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     with LLM(config=config, show_progress=False) as llm:
         ready_at = time.time()
+        boot.settle()
         device = llm.engine.executor.ready[0].device
         first = time_request(llm, job["warmup_prompts"][0], one, device)
         llm.generate(job["warmup_prompts"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

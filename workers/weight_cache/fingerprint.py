@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from coreproc.config import EngineConfig
-from coreproc.gguf_file import GGUFFile, is_gguf
+from coreproc.gguf_file import is_gguf, open_gguf
 from coreproc.host import engine_version
 from coreproc.protocol import Fingerprint
 
@@ -33,7 +33,7 @@ def checkpoint_hash(model_dir: str) -> str:
     architecture apart, while 64 KiB per shard is no real read of the weights."""
     h = hashlib.sha256()
     if is_gguf(model_dir):  # the same over a GGUF file: its header (metadata, tensor table), samples
-        gguf = GGUFFile(model_dir, vocabulary=False)
+        gguf = open_gguf(model_dir)
         h.update(Path(model_dir).name.encode() + b"\0" + gguf.header)
         step = max(1, (gguf.size - gguf.data_start) // SAMPLES_PER_SHARD)
         for offset in range(gguf.data_start, gguf.size, step):
@@ -55,7 +55,7 @@ def checkpoint_hash(model_dir: str) -> str:
 def config_hash(model_dir: str) -> str:
     """sha256 of config.json's canonical JSON (for a GGUF file: of the config its metadata implies)."""
     if is_gguf(model_dir):
-        cfg = GGUFFile(model_dir, vocabulary=False).hf_config
+        cfg = open_gguf(model_dir).hf_config
     else:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     cfg.pop("transformers_version", None)
