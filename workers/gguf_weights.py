@@ -124,7 +124,7 @@ def pack_tensors(parts: list[GGUFTensor], rows: int) -> torch.Tensor | None:
     fmt, k = parts[0].fmt, parts[0].shape[1]
     assert all(p.fmt == fmt and p.shape[1] == k for p in parts), "one format and width"
     units = padded_k(k) // fmt.group // fmt.subs
-    out = torch.empty(-(-rows // ROWS), units, group_bytes(fmt), dtype=torch.uint8)
+    out = torch.ops.ember.weight_empty([-(-rows // ROWS), units, group_bytes(fmt)], torch.uint8)
     start = 0
     for p in parts:
         blocks = -(-p.rows // ROWS)

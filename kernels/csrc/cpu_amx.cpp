@@ -194,7 +194,7 @@ at::Tensor pack_amx(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.scalar_type() == at::kBFloat16, "pack_amx: 2-D bf16 on CPU");
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), Kp = round_k(K), NB = (N + kBlock - 1) / kBlock;
-  at::Tensor out = at::zeros({NB, Kp, kBlock}, wc.options());
+  at::Tensor out = weight_empty({NB, Kp, kBlock}, at::kBFloat16).zero_();
   const uint16_t* src = static_cast<const uint16_t*>(wc.const_data_ptr());
   uint16_t* dst = static_cast<uint16_t*>(out.mutable_data_ptr());
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {

@@ -15,6 +15,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <cstdint>
 #include <cstring>
 #include <algorithm>
@@ -302,7 +304,7 @@ at::Tensor qpack(const at::Tensor& q, const at::Tensor& scales, const at::Tensor
   const at::Tensor qc = q.contiguous(), sc = f.sup ? scales.contiguous() : scales.contiguous().to(at::kFloat);
   const at::Tensor oc = has_off ? (f.sup ? offsets.contiguous() : offsets.contiguous().to(at::kFloat)) : offsets;
   const at::Tensor uc = supers.contiguous();
-  at::Tensor out = at::zeros({NB, f.units, f.ubytes}, q.options().dtype(at::kByte));
+  at::Tensor out = weight_empty({NB, f.units, f.ubytes}, at::kByte).zero_();
   const auto* qp = static_cast<const uint8_t*>(qc.const_data_ptr());
   const float* sp = f.sup ? nullptr : sc.const_data_ptr<float>();
   const float* op = has_off && !f.sup ? oc.const_data_ptr<float>() : nullptr;

@@ -13,6 +13,9 @@ Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -85,6 +88,38 @@ def test_native_packing_equals_the_reference(native_ops, n: int, k: int) -> None
     assert torch.equal(native, pack_bf16_torch(w.bfloat16(), bf16_layout()))
     q = w.mul(50).to(FP8)
     assert torch.equal(torch.ops.ember.pack_weight(q).view(torch.uint8), pack_fp8_torch(q).view(torch.uint8))
+
+
+def _huge_kib(address: int) -> int | None:
+    """AnonHugePages (KiB) of this process's mapping holding `address`, None where smaps does not say."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.is_file():
+        return None
+    inside = False
+    for line in smaps.read_text().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+@pytest.mark.skipif(os.environ.get("EMBER_HUGE_PAGES") == "0", reason="EMBER_HUGE_PAGES=0: plain pages")
+def test_packed_weights_get_memory_of_their_own_in_huge_pages(native_ops) -> None:
+    big = torch.ops.ember.weight_empty([8 << 20], torch.uint8)  # 8 MiB: mapped fresh, 2 MiB aligned
+    assert big.shape == (8 << 20,) and big.data_ptr() % (2 << 20) == 0
+    big.fill_(7)
+    assert int(big[::4096].sum()) == 7 * 2048
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.is_file() and "[never]" not in thp.read_text():
+        assert (_huge_kib(big.data_ptr()) or 0) >= 2048  # faulted in as huge pages
+    small = torch.ops.ember.weight_empty([3, 5], torch.float32)  # below 2 MiB: plain memory
+    assert small.shape == (3, 5) and small.dtype == torch.float32
+    packed = torch.ops.ember.pack_weight(torch.randn(4096, 512).to(torch.bfloat16))
+    assert packed.data_ptr() % (2 << 20) == 0
+    del big, packed  # unmapped by their deleters
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (17, 67)])
