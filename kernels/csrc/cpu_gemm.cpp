@@ -409,17 +409,17 @@ void pack_blocks(const E* w, int64_t N, int64_t K, E* out) {
   });
 }
 
-// An uninitialized CPU tensor for a packed weight. From 2 MiB up it gets memory of its own, mapped fresh
-// and advised into transparent huge pages before its first write: a decode step streams every weight
-// once, and on 4 KiB pages the TLB misses cost a one-row K-quant product 12-18% of its stream (Q4_K
-// 15.5 -> 18.4 GB/s in a 2-core Xeon VM, whose nested page walks are long). The price is paid at load:
-// the kernel zeroes each fresh 2 MiB page, which in that VM took 0.06-1.4 s per GB (more where the
-// host had never backed the memory). EMBER_HUGE_PAGES=0 keeps plain pages, as does a kernel with
-// transparent huge pages off (or not Linux).
+// An uninitialized CPU tensor for a packed weight. With EMBER_HUGE_PAGES=1, one of 2 MiB and more gets
+// memory of its own, mapped fresh and advised into transparent huge pages before its first write: a
+// decode step streams every weight once, and on 4 KiB pages TLB misses cost a one-row K-quant product
+// 3-18% of its stream in a 2-core Xeon VM (its nested page walks are long, and their cost moved with
+// the host's load). Off by default, because the kernel zeroes each fresh 2 MiB page at load, which in
+// that VM took 0.06-1.4 s per GB (more the less of the memory its host had backed before): Qwen 1.5B
+// Q4_K_M's first token came 1.4 s later. Plain memory where huge pages are off (or not Linux).
 at::Tensor weight_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   static const bool wanted = [] {
     const char* v = std::getenv("EMBER_HUGE_PAGES");
-    return v == nullptr || std::string(v) != "0";
+    return v != nullptr && std::string(v) == "1";
   }();
   const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
   int64_t numel = 1;

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-at::Tensor weight_empty(at::IntArrayRef sizes, at::ScalarType dtype);  // in huge pages where it can
+at::Tensor weight_empty(at::IntArrayRef sizes, at::ScalarType dtype);  // EMBER_HUGE_PAGES=1: huge pages
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 bool amx_ready();  // bf16 matmuls on AMX tiles: this build targets AMX-BF16 and the OS grants it
 bool amx_claim();  // the tile-state request again (after a CRIU restore)

@@ -14,6 +14,8 @@ Run: `pytest -q tests/kernel_ops/test_cpu_gemm.py` (the first run builds the ops
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,36 +92,45 @@ def test_native_packing_equals_the_reference(native_ops, n: int, k: int) -> None
     assert torch.equal(torch.ops.ember.pack_weight(q).view(torch.uint8), pack_fp8_torch(q).view(torch.uint8))
 
 
-def _huge_kib(address: int) -> int | None:
-    """AnonHugePages (KiB) of this process's mapping holding `address`, None where smaps does not say."""
-    smaps = Path("/proc/self/smaps")
-    if not smaps.is_file():
-        return None
-    inside = False
-    for line in smaps.read_text().splitlines():
-        head = line.split()[0] if line else ""
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
+HUGE_PAGES_CHECK = """
+import sys, torch
+from pathlib import Path
+from kernels.native import use_native
+assert use_native("cpu")
+big = torch.ops.ember.weight_empty([8 << 20], torch.uint8)  # 8 MiB: mapped fresh, 2 MiB aligned
+assert big.shape == (8 << 20,) and big.data_ptr() % (2 << 20) == 0
+big.fill_(7)
+assert int(big[::4096].sum()) == 7 * 2048
+packed = torch.ops.ember.pack_weight(torch.randn(4096, 512).to(torch.bfloat16))
+assert packed.data_ptr() % (2 << 20) == 0
+huge, inside = 0, False  # this mapping's AnonHugePages in smaps
+for line in Path("/proc/self/smaps").read_text().splitlines():
+    head = line.split()[0] if line else ""
+    if "-" in head and not head.endswith(":"):
+        lo, hi = (int(v, 16) for v in head.split("-"))
+        inside = lo <= big.data_ptr() < hi
+    elif inside and head == "AnonHugePages:":
+        huge = int(line.split()[1])
+thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+assert huge >= 2048 or not thp.is_file() or "[never]" in thp.read_text(), huge
+del big, packed  # unmapped by their deleters
+print("ok")
+"""
 
 
-@pytest.mark.skipif(os.environ.get("EMBER_HUGE_PAGES") == "0", reason="EMBER_HUGE_PAGES=0: plain pages")
-def test_packed_weights_get_memory_of_their_own_in_huge_pages(native_ops) -> None:
-    big = torch.ops.ember.weight_empty([8 << 20], torch.uint8)  # 8 MiB: mapped fresh, 2 MiB aligned
-    assert big.shape == (8 << 20,) and big.data_ptr() % (2 << 20) == 0
-    big.fill_(7)
-    assert int(big[::4096].sum()) == 7 * 2048
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if thp.is_file() and "[never]" not in thp.read_text():
-        assert (_huge_kib(big.data_ptr()) or 0) >= 2048  # faulted in as huge pages
-    small = torch.ops.ember.weight_empty([3, 5], torch.float32)  # below 2 MiB: plain memory
+def test_huge_pages_are_opt_in(native_ops) -> None:
+    """EMBER_HUGE_PAGES=1 (read once per process, so checked in a child) maps packed weights of 2 MiB and
+    more fresh, 2 MiB aligned, in huge pages where the kernel has them; without it they are plain."""
+    small = torch.ops.ember.weight_empty([3, 5], torch.float32)
     assert small.shape == (3, 5) and small.dtype == torch.float32
-    packed = torch.ops.ember.pack_weight(torch.randn(4096, 512).to(torch.bfloat16))
-    assert packed.data_ptr() % (2 << 20) == 0
-    del big, packed  # unmapped by their deleters
+    plain = torch.ops.ember.weight_empty([4 << 20], torch.uint8)
+    assert plain.shape == (4 << 20,)
+    env = {**os.environ, "EMBER_HUGE_PAGES": "1"}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", HUGE_PAGES_CHECK], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (15, 7), (17, 67)])
