@@ -431,9 +431,10 @@ at::Tensor weight_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
     const size_t len = (nbytes + kPage - 1) / kPage * kPage;
     void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw != MAP_FAILED) {
+      // keep [start, start + len), 2 MiB aligned, of [base, base + len + 2 MiB)
       const uintptr_t base = reinterpret_cast<uintptr_t>(raw), start = (base + kHuge - 1) & ~(kHuge - 1);
-      if (start > base) munmap(raw, start - base);  // keep [start, start + len): 2 MiB aligned
-      if (base + len + kHuge > start + len) munmap(reinterpret_cast<void*>(start + len), base + len + kHuge - start - len);
+      if (start > base) munmap(raw, start - base);
+      munmap(reinterpret_cast<void*>(start + len), base + kHuge - start);  // > 0: start < base + 2 MiB
       void* data = reinterpret_cast<void*>(start);
       madvise(data, len, MADV_HUGEPAGE);  // declined where huge pages are off: plain pages then
       return at::from_blob(data, sizes, [len](void* p) { munmap(p, len); }, options);
