@@ -34,6 +34,7 @@ SOURCES = tuple(
         "cpu_amx.cpp",
         "cpu_qgemm.cpp",
         "cpu_gguf.cpp",
+        "cpu_weights.cpp",
         "cpu_attention.cpp",
         "cpu_layer_ops.cpp",
         "cpu_decoder.cpp",

@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -26,15 +25,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
-
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 
 namespace {
 
@@ -409,41 +403,6 @@ void pack_blocks(const E* w, int64_t N, int64_t K, E* out) {
   });
 }
 
-// An uninitialized CPU tensor for a packed weight. With EMBER_HUGE_PAGES=1, one of 2 MiB and more gets
-// memory of its own, mapped fresh and advised into transparent huge pages before its first write: a
-// decode step streams every weight once, and on 4 KiB pages TLB misses cost a one-row K-quant product
-// 3-18% of its stream in a 2-core Xeon VM (its nested page walks are long, and their cost moved with
-// the host's load). Off by default, because the kernel zeroes each fresh 2 MiB page at load, which in
-// that VM took 0.06-1.4 s per GB (more the less of the memory its host had backed before): Qwen 1.5B
-// Q4_K_M's first token came 1.4 s later. Plain memory where huge pages are off (or not Linux).
-at::Tensor weight_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
-  static const bool wanted = [] {
-    const char* v = std::getenv("EMBER_HUGE_PAGES");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
-  int64_t numel = 1;
-  for (const int64_t s : sizes) numel *= s;
-  const size_t nbytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-#ifdef __linux__
-  constexpr size_t kHuge = size_t{2} << 20, kPage = 4096;
-  if (wanted && nbytes >= kHuge) {
-    const size_t len = (nbytes + kPage - 1) / kPage * kPage;
-    void* raw = mmap(nullptr, len + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw != MAP_FAILED) {
-      // keep [start, start + len), 2 MiB aligned, of [base, base + len + 2 MiB)
-      const uintptr_t base = reinterpret_cast<uintptr_t>(raw), start = (base + kHuge - 1) & ~(kHuge - 1);
-      if (start > base) munmap(raw, start - base);
-      munmap(reinterpret_cast<void*>(start + len), base + kHuge - start);  // > 0: start < base + 2 MiB
-      void* data = reinterpret_cast<void*>(start);
-      madvise(data, len, MADV_HUGEPAGE);  // declined where huge pages are off: plain pages then
-      return at::from_blob(data, sizes, [len](void* p) { munmap(p, len); }, options);
-    }
-  }
-#endif
-  return at::empty(sizes, options);
-}
-
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "pack_weight: a 2-D CPU tensor");
   if (w.scalar_type() == at::kBFloat16 && amx_ready()) return pack_amx(w);
@@ -463,7 +422,6 @@ at::Tensor pack_weight(const at::Tensor& w) {
 
 TORCH_LIBRARY(ember, m) {
   m.def("pack_weight(Tensor w) -> Tensor", pack_weight);
-  m.def("weight_empty(int[] size, ScalarType dtype) -> Tensor", weight_empty);
   m.def("bf16_layout() -> str", [] { return std::string(amx_ready() ? "amx32" : "packed16"); });
   m.def("amx_claim() -> bool", amx_claim);
   m.def("gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor", gemm_bf16);

@@ -1,5 +1,6 @@
 // The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_amx.cpp, cpu_qgemm.cpp,
-// cpu_attention.cpp and cpu_layer_ops.cpp), for ops that chain them without going back to Python (cpu_decoder.cpp).
+// cpu_attention.cpp, cpu_layer_ops.cpp and cpu_weights.cpp), for ops that chain them without going back
+// to Python (cpu_decoder.cpp) and for the packing ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>
