@@ -3,7 +3,8 @@
 ``build_checkpoint`` constructs a real transformers model (Llama, Qwen2, Qwen3 or Mistral) from a
 size preset plus overrides, seeds its weights, and saves a complete offline-loadable folder:
 config.json, safetensors weights (sharded on request), generation_config.json and a BPE tokenizer
-trained on the local standard library. The CLI is ``python -m frontend.make_model OUT --arch llama``.
+trained on the local standard library. The CLI is ``python -m frontend.make_model OUT --arch llama``;
+``--arch llava`` builds `frontend.make_llava`'s image-and-text checkpoint.
 """
 
 from __future__ import annotations
@@ -205,7 +206,10 @@ def build_checkpoint(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``make-model`` options to ``parser``."""
     parser.add_argument("out_dir", help="folder to write the checkpoint into")
-    parser.add_argument("--arch", required=True, choices=sorted(ARCHS))
+    parser.add_argument("--arch", required=True, choices=[*sorted(ARCHS), "llava"])
+    parser.add_argument(
+        "--text-arch", default="llama", choices=["llama", "qwen2"], help="llava: its text model (tiny preset)"
+    )
     parser.add_argument("--size", default="tiny", choices=list(PRESETS))
     for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "head-dim"):
         parser.add_argument(f"--{flag}", type=int, default=None, help="override the size preset")
@@ -227,24 +231,28 @@ def run(args: argparse.Namespace) -> int:
     """Execute ``make-model`` with parsed ``args``; prints the folder and returns an exit code."""
     rope = None if args.rope_theta is None else {"rope_type": "default", "rope_theta": args.rope_theta}
     try:
-        out = build_checkpoint(
-            args.out_dir,
-            args.arch,
-            args.size,
-            layers=args.layers,
-            hidden=args.hidden,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            intermediate=args.intermediate,
-            vocab=args.vocab,
-            head_dim=args.head_dim,
-            seed=args.seed,
-            dtype=args.dtype,
-            tie_word_embeddings=args.tie_word_embeddings,
-            max_position_embeddings=args.max_position_embeddings,
-            rope_parameters=rope,
-            sliding_window=args.sliding_window,
-            max_shard_size=args.max_shard_size,
+        out = (
+            build_llava(args)
+            if args.arch == "llava"
+            else build_checkpoint(
+                args.out_dir,
+                args.arch,
+                args.size,
+                layers=args.layers,
+                hidden=args.hidden,
+                heads=args.heads,
+                kv_heads=args.kv_heads,
+                intermediate=args.intermediate,
+                vocab=args.vocab,
+                head_dim=args.head_dim,
+                seed=args.seed,
+                dtype=args.dtype,
+                tie_word_embeddings=args.tie_word_embeddings,
+                max_position_embeddings=args.max_position_embeddings,
+                rope_parameters=rope,
+                sliding_window=args.sliding_window,
+                max_shard_size=args.max_shard_size,
+            )
         )
     except ValueError as exc:
         print(f"error: {exc}")
@@ -252,6 +260,44 @@ def run(args: argparse.Namespace) -> int:
     files = sorted(p.name for p in out.iterdir())
     print(json.dumps({"out_dir": str(out), "files": files}))
     return 0
+
+
+def build_llava(args: argparse.Namespace) -> Path:
+    """`--arch llava`: the tiny preset of `--text-arch` as the text model of `frontend.make_llava`'s
+    checkpoint, with an `<image>` token in its vocabulary; the size options do not apply."""
+    from frontend.make_llava import IMAGE_TOKEN, save_llava
+
+    sized = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab", "head_dim", "rope_theta")
+    given = [f"--{k.replace('_', '-')}" for k in sized if getattr(args, k) is not None]
+    given += ["--size"] if args.size != "tiny" else []
+    given += ["--sliding-window"] if args.sliding_window is not None else []
+    if given:
+        raise ValueError(f"--arch llava builds the tiny preset; {', '.join(given)} do not apply")
+    _check(
+        args.text_arch in ("llama", "qwen2"), f"llava's text model is llama or qwen2, not {args.text_arch!r}"
+    )
+    p = PRESETS["tiny"]
+    tok = train_tokenizer(p["vocab"] - 1, seed=0)
+    tok.add_special_tokens([IMAGE_TOKEN])
+    ids = special_token_ids(tok)
+    text = make_config(
+        args.text_arch,
+        vocab=tok.get_vocab_size(),
+        hidden=p["hidden"],
+        layers=p["layers"],
+        heads=p["heads"],
+        kv_heads=p["kv_heads"],
+        intermediate=p["intermediate"],
+        head_dim=None,
+        max_pos=p["max_pos"],
+        tie=False,
+        dtype=args.dtype,
+        token_ids=ids,
+        rope_parameters=None,
+        sliding_window=None,
+    )
+    out = Path(args.out_dir)
+    return save_llava(out, text, tok, ids, seed=args.seed, dtype=args.dtype, perturb=_perturb_unit_params)
 
 
 def main(argv: list[str] | None = None) -> int:
