@@ -56,6 +56,21 @@ class CacheConfig:
     prefix_hash_seed: int | None = option(
         "prefix-cache hash seed (default: random per launch)", None, flag="--prefix-cache-seed"
     )
+    mm_processor_cache_gb: float = option(
+        "GiB of processed images the core keeps, so that an image sent again travels as its hash (0: off)",
+        1.0,
+    )
+    mm_encoder_cache_gb: float = option(
+        "GiB of vision-encoder outputs each worker keeps, keyed by image content (LRU)", 0.5
+    )
+
+    @property
+    def mm_cache_bytes(self) -> int:
+        return int(self.mm_processor_cache_gb * 2**30)
+
+    @property
+    def encoder_cache_bytes(self) -> int:
+        return int(self.mm_encoder_cache_gb * 2**30)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -67,6 +82,8 @@ class CacheConfig:
         frac = self.kv_cache_memory_fraction
         if frac is not None and not 0.0 < frac <= 1.0:
             raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
+        if self.mm_processor_cache_gb < 0 or self.mm_encoder_cache_gb < 0:
+            raise ConfigError("the multimodal cache sizes must be non-negative")
         if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
             raise ConfigError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
 

@@ -24,7 +24,15 @@ log = logging.getLogger("ember.config")
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # the model classes live in workers.models (torch); their names are what the config may accept
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "LlavaForConditionalGeneration",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# vision-language architectures: config.json nests the language model's config under `text_config`
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 QUANTIZATION_METHODS = ("fp8_per_tensor", "int8", "int4")  # built by workers.quant
 QUANTIZATION_ALIASES = {"fp8": "fp8_per_tensor"}
 MODEL_HELP = "checkpoint: a Hugging Face folder or a .gguf file (default: the bundled model)"
@@ -79,6 +87,11 @@ class ModelConfig:
     hidden_size: int
     tokenizer: str
     eos_token_ids: tuple[int, ...] = ()  # generation_config.json's, then the tokenizer's EOS token
+    image_token_id: int | None = None  # a vision-language model: the token each image patch stands on
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.image_token_id is not None
 
     @classmethod
     def from_dir(
@@ -115,6 +128,12 @@ class ModelConfig:
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
         one_of(dtype, DTYPES, "dtype")
+        image_token_id = None
+        if arch in MULTIMODAL_ARCHITECTURES:
+            image_token_id = hf.get("image_token_index", hf.get("image_token_id"))
+            if not isinstance(image_token_id, int):
+                raise ConfigError(f"{cfg_file} names no image_token_index for its {arch}")
+            hf = {"dtype": hf.get("dtype") or hf.get("torch_dtype"), **hf.get("text_config", {})}
         if dtype == "auto":
             dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").replace("torch.", "")
             if dtype not in DTYPES:
@@ -148,6 +167,7 @@ class ModelConfig:
             seed=seed,
             quantization=quantization,
             revision=revision,
+            image_token_id=image_token_id,
         )
 
 

@@ -26,7 +26,8 @@ from coreproc.errors import EmberError
 FinishReason = Literal["stop", "length", "abort", "error"]
 FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 # why the core refused a submission (`EngineOutput.error_code`): HTTP 400, 503 (queue full), 503
-RefusalCode = Literal["invalid_request", "overloaded", "unavailable"]
+# "mm_cache_miss": a multimodal item sent by hash only that the core no longer holds (retry with its data)
+RefusalCode = Literal["invalid_request", "overloaded", "unavailable", "mm_cache_miss"]
 # `EngineRequestError.code`: a refusal, or the SDK aborted a reader that fell too far behind
 ErrorCode = Literal[RefusalCode, "slow_consumer"]
 # what the core's utility dispatcher answers; "ping" with call id 0 is the SDK's heartbeat (no reply)
@@ -173,12 +174,27 @@ class LoRARef(msgspec.Struct, array_like=True, frozen=True):
     identity: str
 
 
+class PixelData(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """An image's processed pixel values as raw bytes: no pickle, one msgpack `bin` on the wire."""
+
+    dtype: str  # a numpy dtype name: "float32" or "float16"
+    shape: list[int]  # [channels, height, width]
+    data: bytes  # C order
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
 class MultiModalRef(msgspec.Struct, array_like=True, frozen=True):
-    """One multimodal item in a prompt: its content hash and the token span it occupies."""
+    """One multimodal item in a prompt: its content hash, the token span its placeholders occupy, and
+    its pixels. `data` None means "the core holds it under this hash" (sent before); a request that
+    carries data always replaces what the core held under the hash."""
 
     content_hash: str
     offset: int
     length: int
+    data: PixelData | None = None
 
 
 class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
@@ -215,6 +231,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_computed_tokens: int
     output_token_ids: list[int] = []
     eos_token_ids: list[int] = []
+    mm_items: list[MultiModalRef] = []  # images, their pixels always included (resolved by the core)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -358,6 +375,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     quantize_seconds: float = 0.0
     weight_source: str = "disk"
     limits: dict[str, int] = {}  # the core's `RequestLimits`, resolved (see coreproc/limits.py)
+    image_token_id: int | None = None  # the model takes images: their placeholder token
+    mm_cache_bytes: int = 0  # what the core keeps of sent images (clients mirror it to send hashes)
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):
