@@ -27,6 +27,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from coreproc.ipc import Codec, apply_curve_client
+from coreproc.mm_store import MediaShadow
 from coreproc.protocol import (
     TO_CLIENT,
     UTILITY_METHODS,
@@ -131,6 +132,7 @@ class AsyncEngineClient:
         self._call_ids = itertools.count(1)
         self.dead: str | None = None
         self.info_cache: EngineInfo | None = None
+        self.media: MediaShadow | None = None  # what the core's image store holds (after `connect`)
         self._readers: list[asyncio.Task] = []
 
     @classmethod
@@ -139,6 +141,7 @@ class AsyncEngineClient:
         client = cls(address, **keys)
         try:
             client.info_cache = await client.info(timeout=timeout)
+            client.media = MediaShadow(client.info_cache.mm_cache_bytes)
         except BaseException:
             await client.aclose()
             raise
@@ -286,7 +289,10 @@ class AsyncEngineClient:
         A refusal or a failure of any of them raises `EngineRequestError` (the others are aborted).
         With `max_buffered_tokens` (at least 8 per request, a few steps' worth), a consumer that falls
         further behind than that many tokens gets `EngineRequestError(code="slow_consumer")` instead of
-        an ever-growing buffer, and the requests are aborted in the engine."""
+        an ever-growing buffer, and the requests are aborted in the engine.
+
+        Images (`EngineRequest.mm_refs` with pixels) the core should still hold travel as their hash; if
+        it no longer does (its "mm_cache_miss" refusal), the requests are sent once more with pixels."""
         if max_buffered_tokens is not None:
             max_buffered_tokens = max(max_buffered_tokens, 8 * len(requests))
         stream = _Stream(max_buffered_tokens)
@@ -300,13 +306,21 @@ class AsyncEngineClient:
         for rid in rids:
             self.streams[rid] = stream
         open_ids = set(rids)
+        images = self.media is not None and any(r.mm_refs for r in requests)
         try:
-            await self._send(SubmitRequests(requests))
+            await self._send(SubmitRequests(self.media.prepare(requests) if images else requests))
             while open_ids:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     _settle(admitted, item)
                     raise item
+                if item.error_code == "mm_cache_miss" and images and self.media is not None:
+                    images = False  # once: the resend carries every image's pixels
+                    self.media.forget(requests)
+                    while not stream.queue.empty():  # the refusals of the other sequences (one batch)
+                        stream.queue.get_nowait()
+                    await self._send(SubmitRequests(self.media.prepare(requests)))
+                    continue
                 if item.finish_reason == "error":
                     open_ids.discard(item.request_id)  # its siblings, if admitted, are aborted below
                     error = EngineRequestError(

@@ -326,6 +326,8 @@ class EngineConfig:
         if speculative is not None:  # verification needs each step's tokens before the next is planned
             sched["async_scheduling"] = False
         if speculative is not None and speculative.method == "draft_model":
+            if model_cfg.is_multimodal:  # the draft would read image placeholders as text tokens
+                raise ConfigError("a draft model cannot speculate for a vision-language model; use ngram")
             tp = parts["parallel"]["tensor_parallel_size"]
             speculative = _with_draft(speculative, model_cfg, tp, model_cfg.seed, device)
         try:

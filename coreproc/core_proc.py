@@ -31,6 +31,7 @@ from coreproc.errors import EmberError
 from coreproc.executor import MultiprocExecutor, WorkerError
 from coreproc.host import engine_version
 from coreproc.ipc import Codec, CurveServer, is_loopback_endpoint
+from coreproc.mm_store import MultiModalCacheMiss
 from coreproc.protocol import (
     KIND_OF,
     TO_CORE,
@@ -125,6 +126,8 @@ class CoreServer:
             quantize_seconds=self.engine.executor.ready[0].quantize_seconds,
             weight_source=self.engine.executor.ready[0].weight_source,
             limits=dataclasses.asdict(cfg.limits),
+            image_token_id=cfg.model.image_token_id,
+            mm_cache_bytes=cfg.cache.mm_cache_bytes,
         )
 
     # ------------------------------------------------------------------ client messages
@@ -196,6 +199,8 @@ class CoreServer:
                 req.eos_token_ids = self.eos_ids
         try:
             self.engine.add_requests(reqs)
+        except MultiModalCacheMiss as e:
+            return reject(str(e), "mm_cache_miss", e.param)
         except InvalidParam as e:
             return reject(str(e), "invalid_request", e.param)
         except QueueFull as e:

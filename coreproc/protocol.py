@@ -290,6 +290,8 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     sample_seconds: float = 0.0  # of which: sampling and keeping the accepted proposals
     draft_seconds: float = 0.0  # of which: the draft model's forwards (catch-up and proposals)
     draft_forwards: list[tuple[int, float]] = []  # the draft's forwards: (tokens, seconds) each
+    encoder_hits: int = 0  # images whose vision-encoder output this step took from the encoder cache
+    encoder_misses: int = 0  # ... and those it encoded
 
 
 class WorkerReady(msgspec.Struct, kw_only=True):
@@ -400,6 +402,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # ... and found there
     prefix_cache_hit_rate: float = 0.0  # hits / queries
+    mm_cache_hits: int = 0  # images sent by hash that the core still held
+    mm_cache_misses: int = 0  # ... that it no longer held (their requests were sent again with pixels)
+    encoder_cache_hits: int = 0  # images whose vision-encoder output a worker reused
+    encoder_cache_misses: int = 0  # images a worker encoded
     spec_num_drafts: int = 0  # verification steps that carried proposals
     spec_num_proposed: int = 0  # proposed tokens
     spec_num_accepted: int = 0  # proposed tokens kept

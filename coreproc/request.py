@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from coreproc.protocol import EngineRequest, FinishReason, SamplingParams
+from coreproc.protocol import EngineRequest, FinishReason, MultiModalRef, SamplingParams
 from coreproc.spec_decode import ProposalLength
 
 
@@ -41,7 +41,9 @@ _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
 class Request:
     """Mutable per-request state owned by the scheduler."""
 
-    def __init__(self, req: EngineRequest, arrival_seq: int) -> None:
+    def __init__(
+        self, req: EngineRequest, arrival_seq: int, mm_refs: list[MultiModalRef] | None = None
+    ) -> None:
         self.request_id = req.request_id
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.sampling_params: SamplingParams = req.sampling_params
@@ -51,7 +53,9 @@ class Request:
         self.priority = req.priority
         self.cache_salt = req.cache_salt
         self.lora = req.lora
-        self.mm_refs = req.mm_refs
+        self.mm_refs = (
+            req.mm_refs if mm_refs is None else mm_refs
+        )  # with pixels (the core's store resolves them)
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed_tokens = 0

@@ -21,6 +21,7 @@ import time
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
 from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
+from coreproc.mm_store import MediaStore
 from coreproc.protocol import (
     CachedRequestData,
     EngineOutput,
@@ -57,6 +58,8 @@ class Scheduler:
         )
         ctx = ProcessorContext(config.model.vocab_size, config.model.max_model_len)
         self.processors = load_processors(engine_specs(config.logits_processors), ctx)
+        self.image_token_id = config.model.image_token_id
+        self.media = MediaStore(config.cache.mm_cache_bytes)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
@@ -73,6 +76,8 @@ class Scheduler:
             ("forward_seconds", "sample_seconds", "draft_seconds", "schedule_seconds"), 0.0
         )
         self.num_preemptions = 0
+        self.encoder_hits = 0  # summed RunnerOutput.encoder_hits / encoder_misses
+        self.encoder_misses = 0
 
     # ------------------------------------------------------------------ intake
 
@@ -95,11 +100,14 @@ class Scheduler:
         for er in ers:
             if er.request_id in self.requests:
                 raise InvalidParam(f"request id {er.request_id!r} is already in use", "request_id")
-            validate(er, self.max_model_len, self.vocab_size, self.limits, self.processors)
+            validate(
+                er, self.max_model_len, self.vocab_size, self.limits, self.processors, self.image_token_id
+            )
         sc = self.config.scheduler
         self.waiting.admit(ers, sc.max_num_queued_requests, sc.max_num_queued_tokens)
-        for er in ers:
-            req = Request(er, self._arrivals)
+        images = self.media.resolve(ers) if any(er.mm_refs for er in ers) else [[] for _ in ers]
+        for er, items in zip(ers, images):
+            req = Request(er, self._arrivals, items)
             self._arrivals += 1
             self.requests[req.request_id] = req
             self.waiting.add(req)
@@ -316,6 +324,7 @@ class Scheduler:
                         req.num_computed_tokens,
                         req.output_token_ids,
                         req.eos_token_ids,
+                        req.mm_refs,
                     )
                 )
                 req.in_workers = True
@@ -369,6 +378,8 @@ class Scheduler:
         start = time.perf_counter()
         self.worker_busy_seconds += out.execute_seconds
         self.structured_seconds += out.structured_seconds
+        self.encoder_hits += out.encoder_hits
+        self.encoder_misses += out.encoder_misses
         self.split["forward_seconds"] += out.forward_seconds
         self.split["sample_seconds"] += out.sample_seconds
         self.split["draft_seconds"] += out.draft_seconds
@@ -454,6 +465,10 @@ class Scheduler:
             prefix_cache_queries=self.kv.queries,
             prefix_cache_hits=self.kv.hits,
             prefix_cache_hit_rate=self.kv.hit_rate,
+            mm_cache_hits=self.media.hits,
+            mm_cache_misses=self.media.misses,
+            encoder_cache_hits=self.encoder_hits,
+            encoder_cache_misses=self.encoder_misses,
             **(self.speculation.stats.as_dict() if self.speculation is not None else {}),  # spec_* fields
         )
 

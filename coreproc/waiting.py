@@ -24,6 +24,7 @@ def validate(
     vocab_size: int,
     limits: RequestLimits,
     processors: list[LogitsProcessor],
+    image_token_id: int | None = None,
 ) -> None:
     """Raise InvalidParam (naming the field) for a request that can never run here."""
     n = len(er.prompt_token_ids)
@@ -47,8 +48,41 @@ def validate(
     validate_request(processors, params)
     if er.lora is not None:
         raise InvalidParam(f"LoRA adapter {er.lora.name!r}: no adapters are loaded in this engine", "lora")
-    if er.mm_refs:
+    if er.mm_refs or image_token_id is not None:
+        validate_images(er, image_token_id)
+
+
+PIXEL_DTYPES = {"float32": 4, "float16": 2}
+
+
+def validate_images(er: EngineRequest, image_token_id: int | None) -> None:
+    """Each image's span lies in the prompt, holds only its placeholder token, overlaps no other, and
+    its pixels (when sent) are a [channels, height, width] array of a known dtype; no placeholder
+    stands outside a span."""
+    if image_token_id is None:
         raise InvalidParam("this engine's model takes no multimodal input", "messages")
+    ids = er.prompt_token_ids
+    covered = 0
+    end = 0
+    for k, ref in enumerate(sorted(er.mm_refs, key=lambda r: r.offset)):
+        if ref.length < 1 or ref.offset < end or ref.offset + ref.length > len(ids):
+            raise InvalidParam(
+                f"image {k}'s placeholder span is outside the prompt or overlaps another", "messages"
+            )
+        if any(t != image_token_id for t in ids[ref.offset : ref.offset + ref.length]):
+            raise InvalidParam(f"image {k}'s span holds tokens other than its placeholder", "messages")
+        end = ref.offset + ref.length
+        covered += ref.length
+        data = ref.data
+        if data is not None and (
+            data.dtype not in PIXEL_DTYPES
+            or len(data.shape) != 3
+            or min(data.shape) < 1
+            or len(data.data) != data.shape[0] * data.shape[1] * data.shape[2] * PIXEL_DTYPES[data.dtype]
+        ):
+            raise InvalidParam(f"image {k}'s pixel data does not match its shape and dtype", "messages")
+    if sum(1 for t in ids if t == image_token_id) != covered:
+        raise InvalidParam("the prompt holds image placeholder tokens that no image fills", "prompt")
 
 
 class WaitingQueue:

@@ -1,9 +1,10 @@
 """Builds a model from a Hugging Face folder and loads its safetensors weights (single or sharded).
 
 Runs in worker processes. Tensors are read through safetensors' memory map one at a time and copied
-into this rank's parameters by each parameter's `weight_loader`; stacked projections are mapped from
-their checkpoint names. Every mismatch (unknown tensor, wrong shape, missing tensor) raises
-`WeightLoadError` with one line naming the tensor and the file.
+into this rank's parameters by each parameter's `weight_loader`; checkpoint names are first renamed by
+the model's `checkpoint_renames` prefixes, then stacked projections are mapped from them. Every
+mismatch (unknown tensor, wrong shape, missing tensor) raises `WeightLoadError` with one line naming
+the tensor and the file.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def open_checkpoint(
 def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True) -> None:
     """Copy every checkpoint tensor into its parameter; fail on anything unexpected or missing."""
     params = dict(model.named_parameters())
+    renames = getattr(model, "checkpoint_renames", ())
     stacked = getattr(model, "stacked_params", ())
     ignored = getattr(model, "ignored_suffixes", ())
     tied = getattr(model, "tie_word_embeddings", False)
@@ -106,12 +108,12 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
     with bar, torch.no_grad():
         for file, name, tensor in tensors:
             bar.update(1)
-            if name.endswith(ignored) or (tied and name == "lm_head.weight"):
+            target, shard = renamed(name, renames), None
+            if target.endswith(ignored) or (tied and target == "lm_head.weight"):
                 continue
-            target, shard = name, None
             for param_name, ckpt_name, shard_id in stacked:
-                if f".{ckpt_name}." in name:
-                    target, shard = name.replace(f".{ckpt_name}.", f".{param_name}."), shard_id
+                if f".{ckpt_name}." in target:
+                    target, shard = target.replace(f".{ckpt_name}.", f".{param_name}."), shard_id
                     break
             param = params.get(target)
             if param is None:
@@ -138,6 +140,16 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
         need = shards_needed.get(leaf, 1)
         if len(seen.get(pname, ())) < need:
             raise WeightLoadError(f"checkpoint is missing weights for parameter {pname}")
+
+
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint tensor's name as the model spells it: the first of the model's (old prefix, new
+    prefix) pairs that matches replaces its prefix (a multimodal checkpoint's `language_model.model.`
+    becomes the text model's `model.`); without a match the name is kept."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
 
 
 def load_quantized(

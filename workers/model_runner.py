@@ -20,6 +20,7 @@ from coreproc.logits_processors import LogitsProcessor, Row
 from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
 from workers.draft import DraftJob, DraftProposer, DraftState
+from workers.mm_inputs import EncoderCache, RequestImages, StepImages, gather_step_images
 from workers.models.fused_decode import Forward
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
@@ -37,6 +38,7 @@ class RequestState:
     num_computed_tokens: int = 0
     eos_ids: list[int] = field(default_factory=list)
     draft: DraftState = field(default_factory=DraftState)  # what the draft model's KV holds
+    images: RequestImages | None = None  # a prompt with images: their pixels and encoder outputs
 
     @property
     def num_tokens(self) -> int:
@@ -80,8 +82,10 @@ class ModelRunner:
         draft: DraftProposer | None = None,
         forward: Forward | None = None,
         structured: StructuredOutputs | None = None,
+        encoder_cache: EncoderCache | None = None,
     ) -> None:
         self.model = model
+        self.encoder_cache = encoder_cache  # a vision-language model's: encoder outputs by image hash
         # what runs the step: `model` itself, or its one-call decode layers (fused_decode.select_forward)
         self.forward: Forward = model if forward is None else forward
         self.draft = draft
@@ -106,6 +110,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_ids=list(new.eos_token_ids),
+                images=RequestImages(list(new.mm_items)) if new.mm_items else None,
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
@@ -135,7 +140,14 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         began = time.perf_counter()
-        hidden = self.forward(ids_t, pos_t, self.kv_caches, meta)
+        images = self._step_images(req_ids, states, q_lens, seq_lens, meta)
+        if images is not None and images.rows:  # placeholders take the images' embeddings
+            embeds = self.model.model.embed_tokens(ids_t)
+            for row, rows in images.rows:
+                embeds[row : row + rows.shape[0]] = rows.to(embeds.dtype)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
+        else:
+            hidden = self.forward(ids_t, pos_t, self.kv_caches, meta)
         ends = meta.query_start_loc_cpu[1:]
         # a request samples when its chunk reaches its last token: one row for that position, plus one
         # per proposed token (verification); row j sees the output as if proposals < j were accepted
@@ -155,6 +167,9 @@ class ModelRunner:
         if self.structured is not None:
             output.failed = self.structured.pop_failed()
             output.structured_seconds = self.structured.pop_seconds()
+        if images is not None:
+            output.failed = {**output.failed, **images.failed}
+            output.encoder_hits, output.encoder_misses = images.hits, images.misses
         if self.draft is not None and sample_rows:
             drafting = time.perf_counter()
             jobs = []
@@ -168,7 +183,26 @@ class ModelRunner:
         output.prompt_logprobs = self._prompt_logprobs(req_ids, states, q_lens, seq_lens, hidden, meta)
         for s, q, spec, tokens in zip(states, q_lens, specs, output.sampled_token_ids):
             s.num_computed_tokens += q - (len(spec) - max(0, len(tokens) - 1) if spec else 0)
+            if s.images is not None:
+                s.images.release(s.num_computed_tokens)
         return output
+
+    def _step_images(
+        self,
+        req_ids: list[str],
+        states: list[RequestState],
+        q_lens: list[int],
+        seq_lens: list[int],
+        meta: AttentionMetadata,
+    ) -> StepImages | None:
+        """The image embeddings this step's positions take (None: no request of the step has images)."""
+        if self.encoder_cache is None or not any(s.images for s in states):
+            return None
+        spans = [
+            (rid, s.images, meta.query_start_loc_cpu[i], end - q, end)
+            for i, (rid, s, q, end) in enumerate(zip(req_ids, states, q_lens, seq_lens))
+        ]
+        return gather_step_images(self.model, self.encoder_cache, spans, self.device)
 
     def _sampling_batch(self, views: list[tuple[str, RequestState, list[int]]]) -> SamplingBatch:
         """One row per (request, accepted proposals before this position)."""

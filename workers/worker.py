@@ -28,6 +28,7 @@ from kernels.native import use_native
 from workers.draft import DraftProposer
 from workers.kv_scales import calibrate_kv_scales, kv_cache_dtype
 from workers.loader import build_model
+from workers.mm_inputs import EncoderCache
 from workers.model_runner import ModelRunner
 from workers.models.fused_decode import Forward, select_forward
 from workers.models.layers import kv_bytes_per_token
@@ -144,8 +145,22 @@ class Worker:
         block_size, seed = self.config.cache.block_size, self.config.model.seed
         model = self.config.model
         structured = StructuredOutputs(model.model, model.vocab_size, list(model.eos_token_ids))
+        images = (
+            EncoderCache(self.config.cache.encoder_cache_bytes)
+            if hasattr(weights.model, "embed_images")
+            else None
+        )
         self.runner = ModelRunner(
-            weights.model, kv_caches, block_size, self.device, seed, processors, proposer, forward, structured
+            weights.model,
+            kv_caches,
+            block_size,
+            self.device,
+            seed,
+            processors,
+            proposer,
+            forward,
+            structured,
+            images,
         )
         return WorkerReady(
             rank=self.tp.rank,

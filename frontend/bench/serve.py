@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from frontend.bench.images import parse_size, request_images
 from frontend.bench.serve_report import (
     RequestRecord,
     compute_metrics,
@@ -33,6 +34,7 @@ __all__ = ["BenchServeConfig", "RequestRecord", "add_arguments", "compute_metric
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 PREFIX_COUNTERS = ("ember_prefix_cache_queries", "ember_prefix_cache_hits")
+IMAGE_COUNTERS = ("ember_encoder_cache_hits", "ember_encoder_cache_misses", "ember_mm_cache_hits")
 BUSY_COUNTER = "ember_worker_busy_seconds"  # Ember's: worker time in steps
 MIN_TOKEN_ID = 10  # random prompt ids start here, clear of the usual special tokens
 # Chat prompts are text: this many-word pool gives roughly one to two tokens per word.
@@ -67,7 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--backend", choices=["openai", "openai-chat"], default="openai")
     p.add_argument("--model", default=None, help="model name (default: the first id of GET /v1/models)")
-    p.add_argument("--dataset", choices=["random", "sharegpt", "prefix"], default="random")
+    p.add_argument(
+        "--dataset",
+        choices=["random", "sharegpt", "prefix", "random-mm"],
+        default="random",
+        help="random-mm: chat requests with random images (implies --backend openai-chat)",
+    )
+    p.add_argument("--mm-images-per-request", type=int, default=1, help="random-mm: images per request")
+    p.add_argument("--mm-image-size", default="336x336", help="random-mm: WxH of each image")
+    p.add_argument("--mm-unique-images", type=int, default=0, help="random-mm: draw images from a pool of N")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON file (for --dataset sharegpt)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (suffix tokens for prefix)")
@@ -120,8 +130,19 @@ class BenchServeConfig:
     percentiles: tuple[float, ...] = (50.0, 90.0, 99.0)
     timeout: float = 600.0
     metrics_settle: float = 1.5
+    mm_images_per_request: int = 1
+    mm_image_size: str = "336x336"
+    mm_unique_images: int = 0
 
     def __post_init__(self) -> None:
+        if self.dataset == "random-mm":
+            object.__setattr__(self, "backend", "openai-chat")
+            try:
+                parse_size(self.mm_image_size)
+            except ValueError as e:
+                raise BenchServeError(str(e)) from None
+            if self.mm_images_per_request < 1 or self.mm_unique_images < 0:
+                raise BenchServeError("--mm-images-per-request must be >= 1, --mm-unique-images >= 0")
         if self.num_prompts < 1 or self.output_len < 1:
             raise BenchServeError("--num-prompts and --output-len must be at least 1")
         if self.dataset == "sharegpt" and not self.dataset_path:
@@ -155,6 +176,7 @@ class BenchRequest:
 
     prompt: str | list[int]
     prompt_len: int | None
+    images: tuple[str, ...] = ()  # data: URLs, sent as image parts before the text (chat only)
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -201,11 +223,15 @@ def make_requests(cfg: BenchServeConfig) -> list[BenchRequest]:
         return _words(rng, n) if text else _ids(rng, n, cfg.vocab_size)
 
     prefixes = [make(cfg.prefix_len) for _ in range(cfg.num_prefixes)] if cfg.dataset == "prefix" else [""]
+    images: list[tuple[str, ...]] = [()] * cfg.num_prompts
+    if cfg.dataset == "random-mm":
+        size = parse_size(cfg.mm_image_size)
+        images = request_images(rng, cfg.num_prompts, cfg.mm_images_per_request, size, cfg.mm_unique_images)
     out = []
     for i in range(cfg.num_prompts):
         prefix, suffix = prefixes[i % len(prefixes)], make(cfg.input_len)
         if text:
-            out.append(BenchRequest(f"{prefix} {suffix}".strip(), None))
+            out.append(BenchRequest(f"{prefix} {suffix}".strip(), None, images[i]))
         else:
             out.append(BenchRequest(list(prefix) + suffix, len(prefix) + len(suffix)))
     return out
@@ -221,7 +247,11 @@ def _body(cfg: BenchServeConfig, model: str, req: BenchRequest) -> dict[str, Any
         "ignore_eos": cfg.ignore_eos,
     }
     if cfg.backend == "openai-chat":
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        content: Any = req.prompt
+        if req.images:
+            parts = [{"type": "image_url", "image_url": {"url": url}} for url in req.images]
+            content = [*parts, {"type": "text", "text": req.prompt}]
+        body["messages"] = [{"role": "user", "content": content}]
         body["max_completion_tokens"] = body.pop("max_tokens")
     else:
         body["prompt"] = req.prompt
@@ -287,7 +317,11 @@ def _http_error(status: int, raw: bytes) -> str:
 async def _scrape(client: Any, cfg: BenchServeConfig) -> dict[str, float] | None:
     try:
         r = await client.get(cfg.base_url + "/metrics", headers=cfg.headers, timeout=10.0)
-        found = parse_counters(r.text, (*PREFIX_COUNTERS, BUSY_COUNTER)) if r.status_code == 200 else {}
+        found = (
+            parse_counters(r.text, (*PREFIX_COUNTERS, BUSY_COUNTER, *IMAGE_COUNTERS))
+            if r.status_code == 200
+            else {}
+        )
     except Exception:  # /metrics is optional
         return None
     return found if all(name in found for name in PREFIX_COUNTERS) else None
@@ -379,6 +413,10 @@ async def run_benchmark(cfg: BenchServeConfig) -> dict[str, Any]:
     if before is not None and after is not None and BUSY_COUNTER in before and BUSY_COUNTER in after:
         busy = (after[BUSY_COUNTER] - before[BUSY_COUNTER]) / duration if duration > 0 else None
     result["worker_busy_share"] = busy  # share of the run's wall time the worker spent in steps
+    result["num_images"] = sum(len(r.images) for r in requests)
+    for name in IMAGE_COUNTERS:  # how images were reused (Ember's counters, when scraped)
+        have = before is not None and after is not None and name in before and name in after
+        result[name.removeprefix("ember_")] = after[name] - before[name] if have else None  # type: ignore[index]
     result |= {
         "input_lens": [r.prompt_tokens for r in records],
         "output_lens": [r.output_tokens if r.success else 0 for r in records],

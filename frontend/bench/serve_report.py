@@ -148,6 +148,14 @@ def format_table(result: Mapping[str, Any], percentiles: Sequence[float]) -> str
     rows.append(("Prefix-cache hit rate", "n/a" if hit is None else f"{100 * hit:.1f}%"))
     busy = result.get("worker_busy_share")
     rows.append(("Worker busy in steps", "n/a" if busy is None else f"{100 * busy:.1f}% of wall time"))
+    if result.get("num_images"):
+        rows.append(("Images sent", str(result["num_images"])))
+        rows.append(("Images/s", f"{result['num_images'] / max(result['duration'], 1e-9):.2f}"))
+        hits, misses = result.get("encoder_cache_hits"), result.get("encoder_cache_misses")
+        if hits is not None and misses is not None:
+            rows.append(("Encoder runs / cache hits", f"{misses:.0f} / {hits:.0f}"))
+        if result.get("mm_cache_hits") is not None:
+            rows.append(("Images sent as hash (engine held them)", f"{result['mm_cache_hits']:.0f}"))
     cols = ["mean", "median", "std"] + [percentile_name(q) for q in percentiles]
     width = 30 + 10 * len(cols)
     lines = [

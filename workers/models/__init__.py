@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "LlavaForConditionalGeneration": "workers.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",

@@ -200,11 +200,18 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        """Hidden states [T, hidden] after the final norm; `inputs_embeds` [T, hidden], when given,
+        replaces the token embeddings (a multimodal model's, with image features at its placeholders)."""
+        x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta)
         return self.model.norm(x)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings [T, hidden] of `input_ids` [T]."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

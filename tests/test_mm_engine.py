@@ -1,0 +1,242 @@
+"""Images through the engine: greedy tokens equal transformers' `LlavaForConditionalGeneration.generate`.
+
+The prompts and pixels come from the checkpoint's own transformers processor (so this tests the
+engine, not the intake): one and two images, images of different sizes, image requests batched with
+text-only ones, a chunked prefill that splits an image, and the caches: the same image re-sent reuses
+its KV blocks and encoder output, two images never share either, a hash-only item the core no longer
+holds is refused as "mm_cache_miss", and fresh pixels replace what the core held under a hash.
+Run: `pytest -q tests/test_mm_engine.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from coreproc.config import EngineConfig
+from coreproc.engine import EngineCore
+from coreproc.mm_store import MediaStore, MultiModalCacheMiss
+from coreproc.protocol import EngineRequest, MultiModalRef, PixelData, SamplingParams
+from frontend.make_model import main as make_model
+
+pytestmark = pytest.mark.model
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def llava(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp(f"llava-{request.param}")
+    assert make_model([str(out), "--arch", "llava", "--text-arch", request.param]) == 0
+    return out
+
+
+def image(seed: int, size: tuple[int, int] = (64, 48)) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+@lru_cache(maxsize=4)
+def _hf(path: str) -> tuple:
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    return AutoProcessor.from_pretrained(path), LlavaForConditionalGeneration.from_pretrained(path).eval()
+
+
+def hf_inputs(path: Path, text: str, images: list[Image.Image]) -> tuple[list[int], np.ndarray | None]:
+    """transformers' expanded prompt ids and pixel values for a user turn with `images` before `text`."""
+    processor, _ = _hf(str(path))
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    batch = processor(text=prompt, images=images or None, return_tensors="np")
+    pixels = batch["pixel_values"] if images else None
+    return batch["input_ids"][0].tolist(), pixels
+
+
+@torch.inference_mode()
+def hf_generate(path: Path, ids: list[int], pixels: np.ndarray | None) -> list[int]:
+    _, model = _hf(str(path))
+    input_ids = torch.tensor([ids])
+    images = {} if pixels is None else {"pixel_values": torch.from_numpy(pixels)}
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        **images,
+        do_sample=False,
+        max_new_tokens=MAX_NEW,
+        min_new_tokens=MAX_NEW,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def refs(
+    ids: list[int], image_token: int, pixels: np.ndarray | None, send: bool = True
+) -> list[MultiModalRef]:
+    """One ref per run of placeholders, in order, with the image's pixels (hash: sha256 of them)."""
+    out: list[MultiModalRef] = []
+    k = 0
+    i = 0
+    while i < len(ids):
+        if ids[i] != image_token:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == image_token:
+            j += 1
+        assert pixels is not None
+        arr = np.ascontiguousarray(pixels[k], dtype=np.float32)
+        data = PixelData("float32", list(arr.shape), arr.tobytes())
+        out.append(MultiModalRef(hashlib.sha256(data.data).hexdigest(), i, j - i, data if send else None))
+        k, i = k + 1, j
+    return out
+
+
+def engine(path: Path, **kw) -> EngineCore:
+    return EngineCore(EngineConfig.create(str(path), dtype="float32", **kw), show_progress=False)
+
+
+def run(core: EngineCore, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    core.add_requests(requests)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            assert out.error is None, out.error
+            tokens[out.request_id] += out.new_token_ids
+    return tokens
+
+
+def request(rid: str, ids: list[int], mm: list[MultiModalRef]) -> EngineRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    return EngineRequest(request_id=rid, prompt_token_ids=ids, sampling_params=params, mm_refs=mm)
+
+
+def image_token(path: Path) -> int:
+    return _hf(str(path))[1].config.image_token_id
+
+
+CASES = {
+    "one image": ("what is in the picture?", [image(1)]),
+    "two images, two sizes": ("compare them", [image(2, (80, 40)), image(3, (30, 90))]),
+    "no image": ("just text, please", []),
+}
+
+
+@pytest.mark.parametrize("setup", ["default", "chunked"])
+def test_greedy_matches_hf_batched_with_text(llava: Path, setup: str) -> None:
+    """One batch: image prompts next to a text-only one; "chunked" splits each image across chunks."""
+    kw = {"max_num_batched_tokens": 8} if setup == "chunked" else {}
+    core = engine(llava, **kw)
+    try:
+        reqs, expected = [], {}
+        for name, (text, images) in CASES.items():
+            ids, pixels = hf_inputs(llava, text, images)
+            reqs.append(request(name, ids, refs(ids, image_token(llava), pixels)))
+            expected[name] = hf_generate(llava, ids, pixels)
+        got = run(core, reqs)
+        assert got == expected
+        stats = core.stats()
+        assert stats.encoder_cache_misses == 3  # three distinct images, each encoded once
+    finally:
+        core.shutdown()
+
+
+def test_same_image_reuses_kv_and_encoder_and_different_images_share_nothing(llava: Path) -> None:
+    core = engine(llava, block_size=4)
+    try:
+        tok = image_token(llava)
+        ids, pixels = hf_inputs(llava, "describe", [image(4)])
+        first = run(core, [request("a", ids, refs(ids, tok, pixels))])["a"]
+        again = run(core, [request("b", ids, refs(ids, tok, pixels))])["b"]
+        stats = core.stats()
+        assert again == first == hf_generate(llava, ids, pixels)
+        assert stats.encoder_cache_hits == 0  # the whole image was a prefix-cache hit: nothing to encode
+        assert stats.prefix_cache_hits >= len(ids) - 4  # every full block, image blocks included
+        before = stats.prefix_cache_hits
+        other_ids, other = hf_inputs(llava, "describe", [image(5)])
+        assert other_ids == ids  # the same tokens: only the pixels differ
+        third = run(core, [request("c", ids, refs(ids, tok, other))])["c"]
+        stats = core.stats()
+        first_image = ids.index(tok)
+        # only the blocks wholly before the image hit; the new image is encoded, not taken from the cache
+        assert stats.prefix_cache_hits - before == (first_image // 4) * 4
+        assert stats.encoder_cache_misses == 2
+        assert third == hf_generate(llava, ids, other)
+        assert third != first  # the pixels, not the tokens, made the difference
+        # the image's blocks are evicted from the prefix cache: the next request encodes it again, or
+        # reuses the worker's encoder output (its encoder cache holds both images)
+        core.reset_prefix_cache()
+        fourth = run(core, [request("d", ids, refs(ids, tok, pixels))])["d"]
+        assert fourth == first
+        assert core.stats().encoder_cache_hits == 1
+    finally:
+        core.shutdown()
+
+
+def test_hash_only_items_resolve_from_the_core_or_are_refused(llava: Path) -> None:
+    core = engine(llava)
+    try:
+        tok = image_token(llava)
+        ids, pixels = hf_inputs(llava, "describe", [image(6)])
+        with pytest.raises(MultiModalCacheMiss):
+            core.add_requests([request("stale", ids, refs(ids, tok, pixels, send=False))])
+        assert not core.has_unfinished_requests()
+        first = run(core, [request("full", ids, refs(ids, tok, pixels))])["full"]
+        by_hash = run(core, [request("hash", ids, refs(ids, tok, pixels, send=False))])["hash"]
+        assert by_hash == first
+        assert core.stats().mm_cache_hits == 1
+    finally:
+        core.shutdown()
+
+
+@pytest.mark.unit
+def test_fresh_pixels_replace_what_the_store_held() -> None:
+    store = MediaStore(10**6)
+    old = PixelData("float32", [1, 1, 1], b"\x00\x00\x00\x00")
+    new = PixelData("float32", [1, 1, 1], b"\x00\x00\x80\x3f")
+    params = SamplingParams()
+
+    def req(data: PixelData | None) -> EngineRequest:
+        return EngineRequest(
+            request_id="r",
+            prompt_token_ids=[5],
+            sampling_params=params,
+            mm_refs=[MultiModalRef("h", 0, 1, data)],
+        )
+
+    assert store.resolve([req(old)])[0][0].data == old
+    assert store.resolve([req(new)])[0][0].data == new
+    assert store.resolve([req(None)])[0][0].data == new  # the fresh payload, never the stale one
+    small = MediaStore(3)  # holds nothing: a hash-only item is refused, the same submission's data counts
+    with pytest.raises(MultiModalCacheMiss):
+        small.resolve([req(None)])
+    assert [r[0].data for r in small.resolve([req(new), req(None)])] == [new, new]
+
+
+def test_bad_image_spans_are_refused(llava: Path) -> None:
+    core = engine(llava)
+    try:
+        tok = image_token(llava)
+        ids, pixels = hf_inputs(llava, "describe", [image(7)])
+        good = refs(ids, tok, pixels)[0]
+        cases = {
+            "span outside": MultiModalRef(good.content_hash, len(ids) - 2, good.length, good.data),
+            "not placeholders": MultiModalRef(good.content_hash, 0, good.length, good.data),
+            "short span": MultiModalRef(good.content_hash, good.offset, good.length - 1, good.data),
+            "bad bytes": MultiModalRef(
+                good.content_hash, good.offset, good.length, PixelData("float32", [3, 2, 2], b"1")
+            ),
+        }
+        for name, ref in cases.items():
+            with pytest.raises(ValueError):
+                core.add_requests([request(name, ids, [ref])])
+        with pytest.raises(ValueError, match="no image fills"):
+            core.add_requests([request("none", ids, [])])
+        assert not core.has_unfinished_requests()
+    finally:
+        core.shutdown()
