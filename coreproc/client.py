@@ -37,6 +37,7 @@ from coreproc.protocol import (
     EngineOutput,
     EngineRequest,
     ErrorCode,
+    MultiModalRef,
     OutputBatch,
     SamplingParams,
     SchedulerStats,
@@ -260,10 +261,12 @@ class AsyncEngineClient:
         cache_salt: str | None = None,
         eos_token_ids: list[int] | None = None,
         admitted: asyncio.Future | None = None,
+        mm_refs: list[MultiModalRef] | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Submit one request (one sequence: `params.n` must be 1) and stream its outputs; the last one
         has `finished` set. `admitted`, if given, resolves when the engine accepts the request (or
-        fails with the refusal), before any token."""
+        fails with the refusal), before any token. `mm_refs`: its images, placeholders already in the
+        prompt (`coreproc.text.media.MediaIntake` builds both from image files or URLs)."""
         request = EngineRequest(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -272,6 +275,7 @@ class AsyncEngineClient:
             arrival_time=time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            mm_refs=mm_refs or [],
         )
         async for out in self.generate_many([request], admitted=admitted):
             yield out

@@ -240,3 +240,42 @@ def test_bad_image_spans_are_refused(llava: Path) -> None:
         assert not core.has_unfinished_requests()
     finally:
         core.shutdown()
+
+
+@pytest.mark.e2e
+def test_sdk_sends_known_images_by_hash_and_resends_after_a_miss(llava: Path) -> None:
+    """Through a real core process: the second request with an image travels as its hash; a client
+    whose picture of the core's store is wrong recovers by resending; a caller's own hash-only item
+    the core never saw is the retryable "mm_cache_miss" error."""
+    from coreproc.client import EngineClient, EngineRequestError
+    from coreproc.startup.launcher import CoreProcess
+
+    tok = image_token(llava)
+    ids, pixels = hf_inputs(llava, "describe", [image(8)])
+    expected = hf_generate(llava, ids, pixels)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+
+    def tokens(client: EngineClient, mm: list[MultiModalRef]) -> list[int]:
+        return [t for out in client.generate(ids, params, mm_refs=mm) for t in out.new_token_ids]
+
+    with (
+        CoreProcess(EngineConfig.create(str(llava), dtype="float32")) as proc,
+        EngineClient(proc.address) as client,
+    ):
+        assert client.info().image_token_id == tok
+        assert tokens(client, refs(ids, tok, pixels)) == expected
+        assert tokens(client, refs(ids, tok, pixels)) == expected
+        stats = client.stats()
+        assert (stats.mm_cache_hits, stats.mm_cache_misses) == (1, 0)  # the second went as a hash
+        other = refs(ids, tok, hf_inputs(llava, "describe", [image(9)])[1])
+        shadow = client._client.media
+        assert shadow is not None
+        shadow.prepare([request("x", ids, other)])  # the client now wrongly believes the core holds it
+        assert tokens(client, other) == hf_generate(llava, ids, hf_inputs(llava, "describe", [image(9)])[1])
+        stats = client.stats()
+        assert (stats.mm_cache_hits, stats.mm_cache_misses) == (1, 1)  # refused once, resent with pixels
+        unknown = [MultiModalRef("0" * 64, other[0].offset, other[0].length)]
+        with pytest.raises(EngineRequestError) as refused:
+            tokens(client, unknown)
+        assert refused.value.code == "mm_cache_miss"
+        assert tokens(client, refs(ids, tok, pixels)) == expected  # the engine is still healthy
