@@ -30,8 +30,10 @@ from coreproc.outputs import RequestOutput
 from coreproc.protocol import QueueFull
 from coreproc.text import openai_protocol as oai
 from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
+from coreproc.text.media import MediaIntake
+from coreproc.text.media_config import MEDIA_SECTIONS, MediaConfig
 from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
-from coreproc.text.render import Prompt, render_prompts, response_body
+from coreproc.text.render import Prompt, render_prompts, response_body, take_images
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many times --max-num-seqs
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"requests submitted to the engine at once (default {IN_FLIGHT_PER_SEQ} x --max-num-seqs)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    options.add_arguments(parser, FEATURE_SECTIONS)  # --tool-call-parser, --reasoning-parser, ...
+    options.add_arguments(parser, (*FEATURE_SECTIONS, *MEDIA_SECTIONS))  # --tool-call-parser, images, ...
 
 
 # ----------------------------------------------------------------------------- input lines
@@ -200,6 +202,7 @@ class BatchRunner:
         done: Answered,
         show_progress: bool = True,
         features: ChatFeatures | None = None,
+        media: MediaConfig | None = None,
     ) -> None:
         from coreproc.engine import EngineCore
         from coreproc.text.output_processor import OutputProcessor
@@ -212,6 +215,12 @@ class BatchRunner:
         self.limits = config.limits  # the same per-request bounds as the HTTP server's
         self.features = features or ChatFeatures()  # the same `openai` flags as the HTTP server's
         self.fields = self.features.fields()
+        self.media_config = media or MediaConfig()  # the same `media` flags too; images fetched inline
+        self.media = None
+        if config.model.image_token_id is not None:
+            self.media = MediaIntake.from_model(
+                config.model.model, config.model.image_token_id, self.media_config
+            )
         self.sink, self.done = sink, done
         self.engine = EngineCore(config, show_progress=show_progress)
         self.processor = OutputProcessor(self.tokenizer)
@@ -255,8 +264,10 @@ class BatchRunner:
         req: ChatCompletionRequest | CompletionRequest
         if item.kind == "chat":
             req = oai.parse_chat_request(item.body, self.limits, self.fields)
-            kwargs = self.features.template_kwargs(req)
-            return req, render_prompts(req, self.tokenizer, self.vocab_size, template_kwargs=kwargs)
+            media_kwargs = self.media_config.request_kwargs(req.mm_processor_kwargs, req.media_io_kwargs)
+            kwargs, images = self.features.template_kwargs(req), self.media is not None
+            prompts = render_prompts(req, self.tokenizer, self.vocab_size, None, kwargs, images)
+            return req, [take_images(p, self.media, media_kwargs) for p in prompts]
         req = oai.parse_completion_request(item.body, self.limits, self.fields)
         return req, render_prompts(req, self.tokenizer, self.vocab_size)
 
@@ -266,17 +277,17 @@ class BatchRunner:
             req, prompts_in = self._prompts(item)
             params = [
                 oai.to_sampling_params(
-                    req, len(ids), self.max_model_len, self.features.constraint(req, self.tokenizer, ids)
+                    req, len(p.ids), self.max_model_len, self.features.constraint(req, self.tokenizer, p.ids)
                 )
-                for _, ids in prompts_in
+                for p in prompts_in
             ]
         except ValueError as e:  # RequestError, InvalidParam, tokenizer errors
             return self._reject(item, e)
         job = Job(item, req, [], int(time.time()))
         prompts = []
-        for (text, ids), sp in zip(prompts_in, params):
+        for p, sp in zip(prompts_in, params):
             job.rids.append(f"b{self._next}")
-            prompts.append((job.rids[-1], text, ids, sp))
+            prompts.append((job.rids[-1], p.text, p.ids, sp))
             self._next += 1
         try:  # the line's sequences are admitted together or not at all
             self.processor.submit(
@@ -285,6 +296,7 @@ class BatchRunner:
                 eos_token_ids=self.eos_ids,
                 priority=req.priority,
                 cache_salt=req.cache_salt,
+                mm_refs={rid: p.mm_refs for rid, p in zip(job.rids, prompts_in)},
             )
         except (ValueError, QueueFull) as e:  # InvalidParam, or the engine's queue limit
             if isinstance(e, QueueFull):
@@ -411,12 +423,13 @@ def run(args: argparse.Namespace) -> int:
 
     from coreproc.config import EngineConfig, engine_options
 
-    values = options.collect(args, FEATURE_SECTIONS)
+    values = options.collect(args, (*FEATURE_SECTIONS, *MEDIA_SECTIONS))
     features = ChatFeatures(**{f.name: values[f.name] for f in dataclasses.fields(ChatFeatures)})
+    media = MediaConfig(**{f.name: values[f.name] for f in dataclasses.fields(MediaConfig)})
     config = EngineConfig.create(**engine_options(args))
     sink = RecordSink(args.output)
     try:
-        runner = BatchRunner(config, sink, done, show_progress=not args.no_progress, features=features)
+        runner = BatchRunner(config, sink, done, not args.no_progress, features, media)
     except BaseException:
         sink.close()
         raise
@@ -439,6 +452,8 @@ def run(args: argparse.Namespace) -> int:
         if stream is not sys.stdin.buffer:
             stream.close()
         runner.engine.shutdown()
+        if runner.media is not None:
+            runner.media.close()
     bar.close()
     secs = time.perf_counter() - start
     print(

@@ -29,6 +29,7 @@ from coreproc.client import AsyncEngineClient, EngineDeadError
 from coreproc.host import engine_version
 from coreproc.limits import RequestLimits
 from coreproc.protocol import SchedulerStats
+from coreproc.text.media import MediaIntake
 from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
@@ -39,10 +40,9 @@ from coreproc.text.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from coreproc.text.render import render_prompts
 from frontend.metrics import EngineMetrics
 from frontend.server_config import ServerConfig
-from frontend.serving import ServingContext, engine_dead_error, error_response, serve_generation
+from frontend.serving import ServingContext, engine_dead_error, error_response, render, serve_generation
 
 if TYPE_CHECKING:
     from coreproc.text.tokenizer import Tokenizer
@@ -131,18 +131,26 @@ class Api:
         template = self.cfg.chat_template
         if template is not None and Path(template).is_file():
             template = Path(template).read_text()
+        info = client.info_cache
+        assert info is not None, "connect() fetches the engine's info"
+        media = None
+        if info.image_token_id is not None:  # a multimodal model: its image processes start now
+            media = MediaIntake.from_model(info.model, info.image_token_id, self.cfg.media)
+            media.warm()
         self.ctx = ServingContext(
             client=client,
-            tokenizer=self.tokenizer or load_tokenizer(client.info_cache.model),
-            info=client.info_cache,
+            tokenizer=self.tokenizer or load_tokenizer(info.model),
+            info=info,
             model_name=self.model_name,
             metrics=EngineMetrics(self.model_name),
             chat_template=template,
-            limits=RequestLimits.of(client.info_cache.limits or None),
+            limits=RequestLimits.of(info.limits or None),
             max_stream_buffer_tokens=self.cfg.max_stream_buffer_tokens,
             stream_send_timeout=self.cfg.stream_send_timeout,
             features=self.cfg.features,
             fields=self.cfg.features.fields(),
+            media_config=self.cfg.media,
+            media=media,
         )
         poller = asyncio.create_task(self._poll_engine())
         try:
@@ -151,6 +159,8 @@ class Api:
             poller.cancel()
             await asyncio.gather(poller, return_exceptions=True)
             await client.aclose()
+            if media is not None:
+                await asyncio.to_thread(media.close)
 
     async def _poll_engine(self) -> None:
         """Refresh engine stats (health, gauges) every second; notice a dead engine."""
@@ -198,10 +208,8 @@ class Api:
             req = parse(body, limits, fields)
             self._check_model(req.model)
             self._available()
-            ctx = self.ctx
-            kwargs = ctx.features.template_kwargs(req) if isinstance(req, ChatCompletionRequest) else None
-            prompts = render_prompts(req, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template, kwargs)
-            return await serve_generation(ctx, request, req, prompts)
+            prompts = await render(self.ctx, req)
+            return await serve_generation(self.ctx, request, req, prompts)
         except RequestError as e:
             if self.ctx is not None:
                 self.ctx.metrics.request_rejected(e.status)
@@ -234,10 +242,7 @@ class Api:
                     tools=req.tools,
                     chat_template_kwargs=req.chat_template_kwargs,
                 )
-                kwargs = ctx.features.template_kwargs(chat)
-                ids = render_prompts(chat, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template, kwargs)[0][
-                    1
-                ]
+                ids = (await render(ctx, chat))[0].ids  # images expanded into their placeholders
             elif req.prompt is not None:
                 ids = ctx.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
             else:

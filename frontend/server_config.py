@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from coreproc import options
 from coreproc.options import option
 from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
+from coreproc.text.media_config import MEDIA_SECTIONS, MediaConfig
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,10 @@ class ServerConfig:
     )
     shutdown_timeout: float = option("on SIGTERM, seconds running requests may take to finish", 30.0)
     features: ChatFeatures = field(default_factory=ChatFeatures)  # the `openai` flags
+    media: MediaConfig = field(default_factory=MediaConfig)  # the `media` flags: image input
 
 
-SERVER_SECTIONS: tuple[tuple[str, type], ...] = (("server", ServerConfig), *FEATURE_SECTIONS)
+SERVER_SECTIONS: tuple[tuple[str, type], ...] = (("server", ServerConfig), *FEATURE_SECTIONS, *MEDIA_SECTIONS)
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,5 +47,6 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 def server_config(args: argparse.Namespace) -> ServerConfig:
     values = options.collect(args, SERVER_SECTIONS)
     features = ChatFeatures(**{f.name: values[f.name] for f in dataclasses.fields(ChatFeatures)})
-    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name != "features"]
-    return ServerConfig(**{name: values[name] for name in names}, features=features)
+    media = MediaConfig(**{f.name: values[f.name] for f in dataclasses.fields(MediaConfig)})
+    names = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in ("features", "media")]
+    return ServerConfig(**{name: values[name] for name in names}, features=features, media=media)

@@ -8,7 +8,9 @@ aborts the requests in the core. A request's sequences are submitted as one unit
 together before a stream starts, so refusals get their status code (400 invalid or never fitting, 503
 queue full or shutting down); an engine that dies later becomes a 503 or an SSE error event. A stream
 whose reader falls too far behind (`--max-stream-buffer-tokens`) or takes no data for
-`--stream-send-timeout` seconds is aborted, never buffered without bound.
+`--stream-send-timeout` seconds is aborted, never buffered without bound. A chat's images are taken
+in (`render`: fetched on threads, decoded and processed in the `ember-media` processes) before its
+sequences are built; only the first sequence of a prompt carries their pixels.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from coreproc.limits import RequestLimits
 from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, FinishReason, SamplingParams
 from coreproc.text import openai_responses as oresp
 from coreproc.text.chat_features import ChatFeatures, OutputParser
+from coreproc.text.media import MediaIntake
+from coreproc.text.media_config import MediaConfig
 from coreproc.text.openai_fields import FieldPolicy
 from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
@@ -39,7 +43,7 @@ from coreproc.text.openai_protocol import (
     to_sampling_params,
 )
 from coreproc.text.output_processor import OutputProcessor, SequenceDelta
-from coreproc.text.render import Prompt, response_body
+from coreproc.text.render import Prompt, render_prompts, response_body, take_images_async
 from frontend.metrics import EngineMetrics, RequestTimer
 
 _json = msgspec.json.Encoder()
@@ -62,9 +66,24 @@ class ServingContext:
     stream_send_timeout: float | None = None  # seconds a client may take to accept one SSE chunk
     features: ChatFeatures = field(default_factory=ChatFeatures)  # tools, reasoning, unknown fields
     fields: FieldPolicy = field(default_factory=FieldPolicy)
+    media_config: MediaConfig = field(default_factory=MediaConfig)  # the `media` flags
+    media: MediaIntake | None = None  # image input (a multimodal model only)
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
+
+
+async def render(ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest) -> list[Prompt]:
+    """A request's prompts, a chat's images taken in (fetched on threads, processed in the image
+    processes) with its effective image kwargs (its own refused unless the server trusts them)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return render_prompts(req, ctx.tokenizer, ctx.info.vocab_size)
+    media_kwargs = ctx.media_config.request_kwargs(req.mm_processor_kwargs, req.media_io_kwargs)
+    kwargs = ctx.features.template_kwargs(req)
+    prompts = render_prompts(
+        req, ctx.tokenizer, ctx.info.vocab_size, ctx.chat_template, kwargs, ctx.media is not None
+    )
+    return [await take_images_async(p, ctx.media, media_kwargs) for p in prompts]
 
 
 def error_response(err: RequestError) -> JSONResponse:
@@ -123,13 +142,18 @@ class Generation:
         leave unread before the request is aborted."""
         self.timer = self.ctx.metrics.request_started()
         req = self.req
-        for k, ((text, ids), params) in enumerate(zip(self.prompts, self.params)):
+        for k, (prompt, params) in enumerate(zip(self.prompts, self.params)):
             rid = f"{self.hexid}-{k}"
             self.rids.append(rid)
             ers = self.processor.engine_requests(
-                rid, ids, params, priority=req.priority, cache_salt=req.cache_salt
+                rid,
+                prompt.ids,
+                params,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                mm_refs=prompt.mm_refs,
             )
-            self._built.append((rid, text, ids, ers))
+            self._built.append((rid, prompt.text, prompt.ids, ers))
         self.admitted = asyncio.get_running_loop().create_future()
         requests = [er for *_, ers in self._built for er in ers]
         self.task = asyncio.create_task(self._pump(requests, max_buffered_tokens))
@@ -192,7 +216,7 @@ class Generation:
         if self.admitted.done() and not self.admitted.cancelled():
             self.admitted.exception()  # nobody else may look at it
         if self.timer is not None:
-            prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+            prompt_tokens = sum(len(p.ids) for p in self.prompts)
             generated = sum(
                 len(s.output.token_ids) for p in self.processor.parents.values() for s in p.sequences
             )
@@ -268,12 +292,12 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
                 oresp.chat_chunk(*head, [oresp.chat_delta(i, role="assistant", content="") for i in range(n)])
             )
         elif req.echo:
-            for k, (text, _) in enumerate(gen.prompts):
+            for k, prompt in enumerate(gen.prompts):
                 for i in range(req.n):
-                    sent_text[k * req.n + i] = len(text or "")
+                    sent_text[k * req.n + i] = len(prompt.text or "")
                     choice = {
                         "index": k * req.n + i,
-                        "text": text or "",
+                        "text": prompt.text or "",
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -288,7 +312,7 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
                     lp = oresp.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0)
                 if d.choice_index not in parsers:
                     parsers[d.choice_index] = ctx.features.output_parser(
-                        req, ctx.tokenizer, gen.prompts[0][1]
+                        req, ctx.tokenizer, gen.prompts[0].ids
                     )
                 parser = parsers[d.choice_index]
                 if parser is None:
@@ -368,7 +392,7 @@ async def serve_generation(
     limit = ctx.info.max_model_len
     constraint = ctx.features.constraint
     params = [
-        to_sampling_params(req, len(ids), limit, constraint(req, ctx.tokenizer, ids)) for _, ids in prompts
+        to_sampling_params(req, len(p.ids), limit, constraint(req, ctx.tokenizer, p.ids)) for p in prompts
     ]
     gen = Generation(ctx, req, prompts, params)
     if req.stream:

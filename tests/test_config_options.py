@@ -47,6 +47,8 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "kv_cache_dtype": ("fp8", "fp8"),
     "enable_prefix_caching": ("--no-enable-prefix-caching", False),
     "prefix_hash_seed": ("3", 3),
+    "mm_processor_cache_gb": ("0.5", 0.5),
+    "mm_encoder_cache_gb": ("0.25", 0.25),
     "max_num_seqs": ("12", 12),
     "max_num_batched_tokens": ("300", 300),
     "scheduling_policy": ("priority", "priority"),

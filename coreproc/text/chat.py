@@ -3,7 +3,10 @@
 Runs where requests come in (the HTTP frontend, batch mode, the offline `LLM`), before the core sees them.
 Receives messages as dicts or `ChatMessage` structs and returns token ids, rendered with Hugging Face
 `apply_chat_template` semantics (tokenized without adding special tokens: a BOS appears only if the
-template writes it). Content-part lists are flattened to text; anything the template or the message
+template writes it). Content-part lists are flattened to text, except in a message with image parts
+(`image_url`, `image`, `input_image`), which keeps its parts as transformers' processors pass them
+(`{"type": "image"}` for each image, so the template writes its image token there); `chat_images`
+lists those parts' URLs for the intake (`coreproc.text.media`). Anything the template or the message
 shape cannot handle becomes a one-line `RequestError` (HTTP 400).
 """
 
@@ -14,38 +17,87 @@ from typing import Any
 
 import msgspec
 
+from coreproc.text.media import ImagePart
 from coreproc.text.openai_protocol import ChatMessage, RequestError
 
-TEXT_ONLY = "only text content is supported so far"
+TEXT_ONLY = "this model does not take image input"  # image parts sent to a text-only model
+IMAGE_TYPES = ("image_url", "image", "input_image")
 
 
-def _flatten(content: Any, index: int) -> str:
-    """A message's content as one string (text parts joined by newlines, as vLLM does)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+def _parts(content: Any, index: int) -> list[dict[str, Any]] | None:
+    """A list content's parts, checked to be text or image parts (None for string or null content)."""
+    if content is None or isinstance(content, str):
+        return None
     if not isinstance(content, list):
         raise RequestError(f"messages[{index}].content must be a string or a list of parts", "messages")
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise RequestError(TEXT_ONLY, f"messages[{index}].content")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise RequestError(f"messages[{index}].content: a text part needs a string 'text'", "messages")
-        texts.append(text)
-    return "\n".join(texts)
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise RequestError(
+                    f"messages[{index}].content: a text part needs a string 'text'", "messages"
+                )
+        elif kind not in IMAGE_TYPES:
+            raise RequestError(
+                f"messages[{index}].content[{j}]: content parts of type {kind!r} are not supported "
+                "(text and images only)",
+                f"messages[{index}].content",
+            )
+    return content
 
 
-def template_messages(messages: list[dict] | list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the template sees them: dicts with string content (other keys kept)."""
+def _image_url(part: dict[str, Any], where: str) -> str:
+    """The URL of an image part: `image_url` {"url": ...} or a string; `image` for type "image"."""
+    value = part.get("image") if part["type"] == "image" and part.get("image") is not None else None
+    value = value if value is not None else part.get("image_url")
+    if isinstance(value, dict):
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{where}: an image part needs its URL (image_url.url)", where)
+    return value
+
+
+def chat_images(messages: list[dict] | list[ChatMessage]) -> list[ImagePart]:
+    """The image parts of a conversation, in order, with their URLs."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m, ChatMessage):
+            content = msgspec.to_builtins(m.content)
+        else:
+            content = m.get("content") if isinstance(m, dict) else None
+        for j, part in enumerate(_parts(content, i) or []):
+            if part["type"] != "text":
+                where = f"messages[{i}].content[{j}]"
+                out.append(ImagePart(_image_url(part, where), where))
+    return out
+
+
+def _template_content(content: Any, index: int, takes_images: bool) -> Any:
+    """A message's content for the template: one string (text parts joined by newlines, as vLLM does),
+    or, with image parts, the parts (`{"type": "image"}` for images) as transformers passes them."""
+    parts = _parts(content, index)
+    if parts is None:
+        return content or ""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    if not takes_images:
+        where = f"messages[{index}].content"
+        first = next(j for j, p in enumerate(parts) if p["type"] != "text")
+        raise RequestError(f"{where}[{first}]: {TEXT_ONLY}", where)
+    return [{"type": "text", "text": p["text"]} if p["type"] == "text" else {"type": "image"} for p in parts]
+
+
+def template_messages(
+    messages: list[dict] | list[ChatMessage], takes_images: bool = False
+) -> list[dict[str, Any]]:
+    """Messages as the template sees them: dicts with string content, or parts where images are
+    (`takes_images`; else image parts are a 400), other keys kept."""
     out = []
     for i, m in enumerate(messages):
         m = msgspec.to_builtins(m) if isinstance(m, ChatMessage) else m
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise RequestError(f"messages[{i}] must be an object with a string 'role'", "messages")
-        m = {**m, "content": _flatten(m.get("content"), i)}
+        m = {**m, "content": _template_content(m.get("content"), i, takes_images)}
         if m.get("tool_calls"):
             m["tool_calls"] = [_template_call(c, i) for c in m["tool_calls"]]
         out.append(m)
@@ -72,13 +124,15 @@ def render_chat(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    takes_images: bool = False,
 ) -> list[int]:
-    """Prompt token ids for a conversation (RequestError for unsupported content or template errors)."""
+    """Prompt token ids for a conversation (RequestError for unsupported content or template errors);
+    with `takes_images`, each image part is the template's image token (one; `media` expands it)."""
     import jinja2
 
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template, so it cannot serve chat requests")
-    conversation = template_messages(messages)
+    conversation = template_messages(messages, takes_images)
     try:
         ids = tokenizer.apply_chat_template(
             conversation,

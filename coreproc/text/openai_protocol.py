@@ -57,11 +57,14 @@ class RequestError(EmberError, ValueError):
 
 
 class ContentPart(msgspec.Struct, frozen=True):
-    """One part of a message's content; only "text" is rendered today (images keep their payload)."""
+    """One part of a message's content: "text", or an image ("image_url" as OpenAI's chat API sends
+    it, {"url": ...} or a string; "input_image" as its Responses API does; "image" with `image`)."""
 
     type: str
     text: str | None = None
-    image_url: dict[str, Any] | None = None
+    image_url: dict[str, Any] | str | None = None
+    image: str | None = None  # the URL of an {"type": "image"} part
+    detail: str | None = None  # an input_image's resolution hint: accepted, unused (one per checkpoint)
 
 
 class ChatMessage(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -139,6 +142,9 @@ class ChatCompletionRequest(_Common, frozen=True, kw_only=True):
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    # vLLM's image extras, refused unless the server runs with --trust-request-mm-kwargs (media_config)
+    mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] | None = None
     # in OpenAI's schema, refused when set (see openai_fields.UNSUPPORTED)
     audio: Any = None
     modalities: list[str] | None = None
@@ -235,6 +241,8 @@ def parse_chat_request(
         raise RequestError("messages must not be empty", "messages")
     check_messages(req.messages, limits)
     _check(limits, req, 1)
+    for name in ("mm_processor_kwargs", "media_io_kwargs"):
+        _check_json(limits, getattr(req, name), name)
     return req
 
 
@@ -257,7 +265,7 @@ def check_messages(messages: list[ChatMessage], limits: RequestLimits) -> None:
             "messages",
         )
     for part in parts:
-        if part.image_url is not None:
+        if isinstance(part.image_url, dict):
             _check_json(limits, part.image_url, "messages.content.image_url")
 
 

@@ -12,13 +12,21 @@ caller can abort them in the core. `process()` returns one `SequenceDelta` per s
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from coreproc.protocol import EngineOutput, EngineRequest, FinishReason, SamplingParams, TokenLogprobs
+from coreproc.protocol import (
+    EngineOutput,
+    EngineRequest,
+    FinishReason,
+    MultiModalRef,
+    SamplingParams,
+    TokenLogprobs,
+)
 from coreproc.text.detokenizer import IncrementalDetokenizer
 
 
@@ -115,12 +123,16 @@ class OutputProcessor:
         eos_token_ids: list[int] | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        mm_refs: tuple[MultiModalRef, ...] = (),
     ) -> list[EngineRequest]:
         """The engine requests of one prompt's n sequences ("{i}_{id}" when n > 1, seeds offset by i).
-        Nothing is registered: call `register` once the engine has admitted them."""
+        The prompt's images (`mm_refs`) travel with their pixels on the first sequence only; the others
+        name them by hash, which the core resolves from the same submission. Nothing is registered:
+        call `register` once the engine has admitted them."""
         if params.bad_words and not params.bad_words_token_ids:
             params = msgspec.structs.replace(params, bad_words_token_ids=self.bad_word_ids(params.bad_words))
         now = time.time()
+        by_hash = [msgspec.structs.replace(r, data=None) for r in mm_refs]
         return [
             EngineRequest(
                 request_id=request_id if params.n == 1 else f"{i}_{request_id}",
@@ -130,6 +142,7 @@ class OutputProcessor:
                 arrival_time=now,
                 priority=priority,
                 cache_salt=cache_salt,
+                mm_refs=list(mm_refs) if i == 0 else by_hash,
             )
             for i in range(params.n)
         ]
@@ -169,13 +182,16 @@ class OutputProcessor:
         eos_token_ids: list[int],
         priority: int = 0,
         cache_salt: str | None = None,
+        mm_refs: Mapping[str, tuple[MultiModalRef, ...]] | None = None,
     ) -> None:
-        """Add the sequences of one API request's prompts ((request id, text, token ids, params) each)
-        to `engine` (an `EngineCore`) together, and register them. If the engine refuses them
-        (`InvalidParam`, `QueueFull`), nothing was added or registered and the error propagates."""
+        """Add the sequences of one API request's prompts ((request id, text, token ids, params) each;
+        `mm_refs`: the images of a prompt, by request id) to `engine` (an `EngineCore`) together, and
+        register them. If the engine refuses them (`InvalidParam`, `QueueFull`), nothing was added or
+        registered and the error propagates."""
+        refs = mm_refs or {}
         built = [
             (rid, text, ids, self.engine_requests(rid, ids, p, eos_token_ids=eos_token_ids, priority=priority,
-                                                  cache_salt=cache_salt))
+                                                  cache_salt=cache_salt, mm_refs=refs.get(rid, ())))
             for rid, text, ids, p in prompts
         ]  # fmt: skip
         engine.add_requests([er for *_, ers in built for er in ers])

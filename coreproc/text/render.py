@@ -2,22 +2,34 @@
 
 Runs in the HTTP frontend and in batch mode (both share it). `render_prompts` tokenizes completion
 prompts (strings or token ids, checked against the vocabulary) or renders chat messages with the chat
-template; `response_body` builds the `text_completion` / `chat.completion` object, usage included.
+template; a chat's image parts ride on its `Prompt` (one image token each in the ids) until
+`take_images` (or `take_images_async`) has the intake load, process and expand them into
+`mm_refs`; `response_body` builds the `text_completion` / `chat.completion` object, usage included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from coreproc.outputs import RequestOutput
+from coreproc.protocol import MultiModalRef
 from coreproc.text import openai_protocol as oai
 from coreproc.text import openai_responses as oresp
-from coreproc.text.chat import render_chat
+from coreproc.text.chat import chat_images, render_chat
 from coreproc.text.chat_features import ChatFeatures
+from coreproc.text.media import ImagePart, MediaIntake
+from coreproc.text.media_config import MediaKwargs
 from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 
-Prompt = tuple[str | None, list[int]]  # (text, token ids); text is None for token-id prompts
+
+class Prompt(NamedTuple):
+    """One prompt of a request, as rendered."""
+
+    text: str | None  # None for token-id prompts and chats
+    ids: list[int]
+    images: tuple[ImagePart, ...] = ()  # a chat's image parts not yet taken in (one image token each)
+    mm_refs: tuple[MultiModalRef, ...] = ()  # once taken in: `ids` expanded, one ref per image
 
 
 def render_prompts(
@@ -26,8 +38,10 @@ def render_prompts(
     vocab_size: int,
     chat_template: str | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    takes_images: bool = False,
 ) -> list[Prompt]:
-    """One prompt per chat request; one per entry of a completion request's `prompt`."""
+    """One prompt per chat request; one per entry of a completion request's `prompt`. A chat's image
+    parts are a 400 unless the model `takes_images`."""
     if isinstance(req, ChatCompletionRequest):
         ids = render_chat(
             tokenizer,
@@ -35,17 +49,38 @@ def render_prompts(
             chat_template,
             add_generation_prompt=req.add_generation_prompt,
             template_kwargs=template_kwargs,
+            takes_images=takes_images,  # else image parts are refused
         )
-        return [(None, ids)]
+        return [Prompt(None, ids, tuple(chat_images(req.messages)))]
     out: list[Prompt] = []
     for p in oai.prompt_inputs(req):
         if isinstance(p, str):
-            out.append((p, tokenizer(p).input_ids))
+            out.append(Prompt(p, tokenizer(p).input_ids))
             continue
         if any(t < 0 or t >= vocab_size for t in p):
             raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
-        out.append((tokenizer.decode(p) if req.echo else None, p))
+        out.append(Prompt(tokenizer.decode(p) if req.echo else None, p))
     return out
+
+
+def take_images(prompt: Prompt, intake: MediaIntake | None, kwargs: MediaKwargs | None = None) -> Prompt:
+    """The prompt with its images loaded, processed and expanded (sync: batch mode, `LLM`)."""
+    if not prompt.images:
+        return prompt
+    assert intake is not None, "render_prompts refuses images without takes_images"
+    ids, refs = intake.take(prompt.ids, prompt.images, kwargs)
+    return Prompt(prompt.text, ids, (), tuple(refs))
+
+
+async def take_images_async(
+    prompt: Prompt, intake: MediaIntake | None, kwargs: MediaKwargs | None = None
+) -> Prompt:
+    """`take_images` off the event loop (the HTTP server)."""
+    if not prompt.images:
+        return prompt
+    assert intake is not None, "render_prompts refuses images without takes_images"
+    ids, refs = await intake.take_async(prompt.ids, prompt.images, kwargs)
+    return Prompt(prompt.text, ids, (), tuple(refs))
 
 
 def response_body(
