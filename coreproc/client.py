@@ -310,20 +310,20 @@ class AsyncEngineClient:
         for rid in rids:
             self.streams[rid] = stream
         open_ids = set(rids)
-        images = self.media is not None and any(r.mm_refs for r in requests)
+        media = self.media if any(r.mm_refs for r in requests) else None
         try:
-            await self._send(SubmitRequests(self.media.prepare(requests) if images else requests))
+            await self._send(SubmitRequests(media.prepare(requests) if media is not None else requests))
             while open_ids:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     _settle(admitted, item)
                     raise item
-                if item.error_code == "mm_cache_miss" and images and self.media is not None:
-                    images = False  # once: the resend carries every image's pixels
-                    self.media.forget(requests)
+                if item.error_code == "mm_cache_miss" and media is not None:
+                    media.forget(requests)
                     while not stream.queue.empty():  # the refusals of the other sequences (one batch)
                         stream.queue.get_nowait()
-                    await self._send(SubmitRequests(self.media.prepare(requests)))
+                    await self._send(SubmitRequests(media.prepare(requests)))
+                    media = None  # once: that resend carried every image's pixels
                     continue
                 if item.finish_reason == "error":
                     open_ids.discard(item.request_id)  # its siblings, if admitted, are aborted below

@@ -279,3 +279,29 @@ def test_sdk_sends_known_images_by_hash_and_resends_after_a_miss(llava: Path) ->
             tokens(client, unknown)
         assert refused.value.code == "mm_cache_miss"
         assert tokens(client, refs(ids, tok, pixels)) == expected  # the engine is still healthy
+
+
+def test_an_image_the_tower_cannot_take_fails_only_its_request(llava: Path) -> None:
+    core = engine(llava)
+    try:
+        tok = image_token(llava)
+        ids, pixels = hf_inputs(llava, "describe", [image(10)])
+        good = refs(ids, tok, pixels)[0]
+        small = np.zeros((3, 28, 28), dtype=np.float32)  # the tower takes 56 x 56
+        bad = MultiModalRef(
+            "f" * 64, good.offset, good.length, PixelData("float32", [3, 28, 28], small.tobytes())
+        )
+        core.add_requests([request("bad", ids, [bad]), request("good", ids, [good])])
+        errors: dict[str, str] = {}
+        tokens: list[int] = []
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.error:
+                    errors[out.request_id] = out.error
+                elif out.request_id == "good":
+                    tokens += out.new_token_ids
+        assert list(errors) == ["bad"] and "cannot be used" in errors["bad"]
+        assert tokens == hf_generate(llava, ids, pixels)
+        assert core.stats().num_blocks_in_use == 0
+    finally:
+        core.shutdown()

@@ -13,11 +13,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from coreproc.protocol import MultiModalRef
+
+
+class ImageEncoder(Protocol):
+    """What a vision-language model offers the runner (workers/models/llava.py)."""
+
+    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor: ...
 
 
 class EncoderCache:
@@ -87,7 +94,7 @@ class StepImages:
 
 
 def gather_step_images(
-    model: torch.nn.Module,
+    model: ImageEncoder,
     cache: EncoderCache,
     requests: Sequence[tuple[str, RequestImages | None, int, int, int]],
     device: torch.device,
@@ -109,7 +116,7 @@ def gather_step_images(
                 step.hits += 1
             else:
                 wanted.setdefault(images.items[k].content_hash, []).append((images, k))
-    _encode(model, cache, wanted, device, step)
+    refused = _encode(model, cache, wanted, device, step)
     for rid, images, base, start, end in requests:
         if images is None:
             continue
@@ -117,7 +124,8 @@ def gather_step_images(
             item, emb = images.items[k], images.embeds.get(k)
             if emb is None or emb.shape[0] != item.length:
                 got = "nothing" if emb is None else f"{emb.shape[0]} embeddings"
-                step.failed[rid] = f"image {k} fills {item.length} placeholders but its encoder gave {got}"
+                why = refused.get(item.content_hash, f"its encoder gave {got}")
+                step.failed[rid] = f"image {k} (filling {item.length} placeholders) cannot be used: {why}"
                 continue
             lo, hi = max(start, item.offset), min(end, item.offset + item.length)
             step.rows.append((base + lo - start, emb[lo - item.offset : hi - item.offset]))
@@ -125,24 +133,31 @@ def gather_step_images(
 
 
 def _encode(
-    model: torch.nn.Module,
+    model: ImageEncoder,
     cache: EncoderCache,
     wanted: dict[str, list[tuple[RequestImages, int]]],
     device: torch.device,
     step: StepImages,
-) -> None:
-    """Run the vision encoder once per distinct image, batched by pixel shape."""
+) -> dict[str, str]:
+    """Run the vision encoder once per distinct image, batched by pixel shape; returns why the
+    images of a batch the model refused (a size its tower does not take) could not be encoded."""
     by_shape: dict[tuple[int, ...], list[str]] = {}
     for key, users in wanted.items():
         images, k = users[0]
         data = images.items[k].data
         assert data is not None, "the core sends every image with its pixels"
         by_shape.setdefault(tuple(data.shape), []).append(key)
+    refused: dict[str, str] = {}
     for keys in by_shape.values():
         batch = torch.stack([pixels(wanted[key][0][0].items[wanted[key][0][1]], device) for key in keys])
-        out = model.embed_images(batch)  # [N, tokens, hidden]
+        try:
+            out = model.embed_images(batch)  # [N, tokens, hidden]
+        except ValueError as e:  # the request fails, not the worker
+            refused.update(dict.fromkeys(keys, str(e)))
+            continue
         for key, emb in zip(keys, out):
             cache.put(key, emb)
             step.misses += 1
             for images, k in wanted[key]:
                 images.embeds[k] = emb
+    return refused

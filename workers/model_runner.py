@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -20,7 +21,7 @@ from coreproc.logits_processors import LogitsProcessor, Row
 from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
 from workers.draft import DraftJob, DraftProposer, DraftState
-from workers.mm_inputs import EncoderCache, RequestImages, StepImages, gather_step_images
+from workers.mm_inputs import EncoderCache, ImageEncoder, RequestImages, StepImages, gather_step_images
 from workers.models.fused_decode import Forward
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
@@ -202,7 +203,8 @@ class ModelRunner:
             (rid, s.images, meta.query_start_loc_cpu[i], end - q, end)
             for i, (rid, s, q, end) in enumerate(zip(req_ids, states, q_lens, seq_lens))
         ]
-        return gather_step_images(self.model, self.encoder_cache, spans, self.device)
+        encoder = cast(ImageEncoder, self.model)  # a model with images has embed_images (the worker checks)
+        return gather_step_images(encoder, self.encoder_cache, spans, self.device)
 
     def _sampling_batch(self, views: list[tuple[str, RequestState, list[int]]]) -> SamplingBatch:
         """One row per (request, accepted proposals before this position)."""
