@@ -49,11 +49,17 @@ def _hf(path: str) -> tuple:
 
 
 def hf_inputs(path: Path, text: str, images: list[Image.Image]) -> tuple[list[int], np.ndarray | None]:
-    """transformers' expanded prompt ids and pixel values for a user turn with `images` before `text`."""
+    """transformers' prompt ids (images expanded) and pixel values for a user turn with `images` before
+    `text`, from its processor's own `apply_chat_template(tokenize=True)`."""
     processor, _ = _hf(str(path))
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-    prompt = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
-    batch = processor(text=prompt, images=images or None, return_tensors="np")
+    content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+    batch = processor.apply_chat_template(
+        [{"role": "user", "content": content}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="np",
+    )
     pixels = batch["pixel_values"] if images else None
     return batch["input_ids"][0].tolist(), pixels
 
@@ -305,3 +311,42 @@ def test_an_image_the_tower_cannot_take_fails_only_its_request(llava: Path) -> N
         assert core.stats().num_blocks_in_use == 0
     finally:
         core.shutdown()
+
+
+def test_offline_llm_takes_images_in_prompts_and_chats(llava: Path) -> None:
+    """`LLM.generate` with multi_modal_data and `LLM.chat` with an image part give transformers' tokens
+    (the intake runs the same processor: PNG round trips are lossless)."""
+    import base64
+    import io
+
+    from coreproc import LLM
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    processor, _ = _hf(str(llava))
+    pictures = [image(11), image(12, (40, 70))]
+    text = "<image>\n<image>\nwhich is brighter?"
+    batch = processor(text=text, images=pictures, return_tensors="np")
+    expected = hf_generate(llava, batch["input_ids"][0].tolist(), batch["pixel_values"])
+    buf = io.BytesIO()
+    pictures[0].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    chat_ids, chat_pixels = hf_inputs(llava, "what is in the picture?", [pictures[0]])
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "what is in the picture?"},
+            ],
+        }
+    ]
+    with LLM(str(llava), dtype="float32", show_progress=False) as llm:
+        out = llm.generate({"prompt": text, "multi_modal_data": {"image": pictures}}, params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == expected
+        assert out[0].prompt_token_ids == batch["input_ids"][0].tolist()
+        chat = llm.chat(messages, params, use_tqdm=False)
+        assert chat[0].outputs[0].token_ids == hf_generate(llava, chat_ids, chat_pixels)
+        with pytest.raises(ValueError, match="image tokens"):
+            llm.generate(
+                {"prompt": "no image token here", "multi_modal_data": {"image": pictures[0]}}, params
+            )
