@@ -190,7 +190,9 @@ def test_data_urls(loader) -> None:
 
 
 def test_http_fetch(loader, http_url: str) -> None:
-    m = loader(media_fetch_timeout=5)
+    with pytest.raises(RequestError, match=r"'127\.0\.0\.1' is an internal address"):
+        loader().load(f"{http_url}/img.png", WHERE)  # no list: public hosts only
+    m = loader(media_fetch_timeout=5, allowed_media_domains=("127.0.0.1",))
     assert m.load(f"{http_url}/img.png", WHERE) == png(7)
     assert m.load(f"{http_url}/to-img", WHERE) == png(7)  # a redirect within the allowed domain
     assert loader(allowed_media_domains=("127.0.0.1",)).load(f"{http_url}/to-img", WHERE) == png(7)
@@ -213,8 +215,8 @@ def test_http_timeout_and_size_limit(loader, http_url: str) -> None:
     with pytest.raises(
         RequestError, match=r"messages\[0\]\.content\[0\]: fetching the image took longer than 0.5s"
     ):
-        loader(media_fetch_timeout=0.5).load(f"{http_url}/slow", WHERE)
-    small = loader(max_image_bytes=1000, media_fetch_timeout=5)
+        loader(media_fetch_timeout=0.5, allowed_media_domains=("127.0.0.1",)).load(f"{http_url}/slow", WHERE)
+    small = loader(max_image_bytes=1000, media_fetch_timeout=5, allowed_media_domains=("127.0.0.1",))
     with pytest.raises(RequestError, match="larger than 1000 bytes"):
         small.load(f"{http_url}/announced-too-big", WHERE)  # refused on its Content-Length
     with pytest.raises(RequestError, match="larger than 1000 bytes"):

@@ -37,7 +37,10 @@ class MediaConfig:
         "seconds to fetch one image URL, redirects included", 10.0, metavar="SECONDS"
     )
     max_image_bytes: int = option(
-        "largest encoded image (data URL, download or file), bytes", 20 * 2**20, metavar="BYTES"
+        "largest encoded image (data URL, download or file), bytes (a data URL must also fit "
+        "--max-request-bytes)",
+        10 * 2**20,
+        metavar="BYTES",
     )
     max_image_pixels: int = option(
         "most pixels (width x height) of a decoded image", 4096 * 4096, metavar="N"

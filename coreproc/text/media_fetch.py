@@ -5,14 +5,18 @@ offline API, inline), for `coreproc.text.media`. Receives a URL and the part it 
 (`messages[0].content[1]`); returns the encoded image, unchecked beyond its size (decoding is the image
 process's job). Every refusal is a `RequestError` (HTTP 400) naming the part and the problem: bad
 base64, a scheme other than data / http / https / file, a domain not in `--allowed-media-domains`
-(checked at every redirect, at most `MAX_REDIRECTS`), a fetch past `--media-fetch-timeout`, more bytes
-than `--max-image-bytes` (counted while streaming), a file outside `--allowed-local-media-path`.
+(checked at every redirect, at most `MAX_REDIRECTS`; without that list, any public host, but none
+that resolves to a loopback, private, link-local or otherwise internal address), a fetch past
+`--media-fetch-timeout`, more bytes than `--max-image-bytes` (counted while streaming), a file outside
+`--allowed-local-media-path`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
+import socket
 import time
 import urllib.parse
 from pathlib import Path
@@ -85,11 +89,31 @@ def _check_host(url: str, where: str, allowed: frozenset[str], hop: int) -> None
     host = (parsed.hostname or "").lower()
     if not host:
         raise RequestError(f"{where}: the image URL {_shown(url)!r} names no host", where)
+    via = " (after a redirect)" if hop else ""
     if allowed and host not in allowed:
-        via = " (after a redirect)" if hop else ""
         raise RequestError(
             f"{where}: the image URL's domain {host!r}{via} is not allowed (--allowed-media-domains)", where
         )
+    if not allowed and _internal(host, parsed.port):
+        raise RequestError(
+            f"{where}: the image URL's host {host!r}{via} is an internal address; a server fetches from "
+            "it only when --allowed-media-domains names it",
+            where,
+        )
+
+
+def _internal(host: str, port: int | None) -> bool:
+    """Whether any address `host` resolves to is not a public one (loopback, private, link-local,
+    reserved, ...): a request must not make the server reach into its own network."""
+    try:
+        infos = socket.getaddrinfo(host, port or 80, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False  # unresolvable: the fetch itself fails with a clear message
+    for info in infos:
+        address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
+        if not address.is_global:
+            return True
+    return False
 
 
 def from_http(url: str, where: str, timeout: float, max_bytes: int, allowed: frozenset[str]) -> bytes:
