@@ -285,3 +285,30 @@ def test_batch_mode_takes_images(llava, tmp_path) -> None:
     assert records["bad"]["status_code"] == 400
     assert "not valid base64" in records["bad"]["body"]["error"]["message"]
     assert records["untrusted"]["body"]["error"]["param"] == "mm_processor_kwargs"
+
+
+def test_bench_serve_random_mm_reports_images(trusting) -> None:
+    """`ember bench serve --dataset random-mm` against the server: every request carries an image, and
+    the engine's counters show each distinct image encoded once and the repeats reused."""
+    import asyncio
+
+    from frontend.bench.serve import BenchServeConfig, run_benchmark
+    from frontend.bench.serve_report import format_table
+
+    cfg = BenchServeConfig(
+        base_url=trusting,
+        dataset="random-mm",
+        num_prompts=6,
+        input_len=8,
+        output_len=4,
+        mm_image_size="64x48",
+        mm_unique_images=2,
+        max_concurrency=2,
+        metrics_settle=1.2,
+    )
+    result = asyncio.run(run_benchmark(cfg))
+    assert result["backend"] == "openai-chat" and result["completed"] == 6, result["errors"]
+    assert result["num_images"] == 6
+    assert result["encoder_cache_misses"] + result["encoder_cache_hits"] <= 6
+    assert result["encoder_cache_misses"] >= 1 and result["prefix_cache_hits"] > 0  # repeats reused
+    assert "Images/s" in format_table(result, cfg.percentiles)
