@@ -1,6 +1,6 @@
 """Build a small, deterministic, randomly initialised LLaVA checkpoint (`ember make-model --arch llava`).
 
-The first piece of image support (the engine does not run it yet): transformers' own
+The yardstick of image support (tests compare the engine with transformers on it): transformers' own
 `LlavaForConditionalGeneration` with a CLIP vision tower, its two-layer projector and the Llama or Qwen2
 text model that `frontend.make_model.build_llava` configures from its tiny preset, saved with a real
 processor (`LlavaProcessor`: the CLIP image processor's resize, crop and normalisation, which needs no
