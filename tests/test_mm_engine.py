@@ -350,3 +350,15 @@ def test_offline_llm_takes_images_in_prompts_and_chats(llava: Path) -> None:
             llm.generate(
                 {"prompt": "no image token here", "multi_modal_data": {"image": pictures[0]}}, params
             )
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_with_images_equals_transformers(llava: Path) -> None:
+    """Two worker processes: the text model sharded, the tower whole on each rank."""
+    ids, pixels = hf_inputs(llava, "compare them", [image(13), image(14, (30, 90))])
+    core = engine(llava, tensor_parallel_size=2)
+    try:
+        got = run(core, [request("tp", ids, refs(ids, image_token(llava), pixels))])
+        assert got["tp"] == hf_generate(llava, ids, pixels)
+    finally:
+        core.shutdown()
