@@ -4,8 +4,9 @@ Runs in the user's shell process: it tokenizes (or renders chat templates), driv
 with continuous batching (at most `--max-in-flight` requests submitted at once) and detokenizes with the
 `OutputProcessor`. Reads OpenAI batch input lines ({custom_id, method, url, body}); writes one OpenAI
 batch output line per request as soon as it finishes (flushed, fsynced for files). Rerunning with the
-same output file skips custom_ids already answered. The body's "model" is not checked: one engine
-serves the whole file, and responses name the model that ran (its folder name).
+same output file skips custom_ids already answered. The body's "model" is not checked, except that a
+line naming a loaded LoRA adapter (`--enable-lora --lora-modules NAME=PATH`) runs with it: one engine
+serves the whole file, and responses name the model that ran (the adapter, or the folder's name).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import msgspec
 from coreproc import options
 from coreproc.errors import EmberError
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import QueueFull
+from coreproc.protocol import LoRARef, QueueFull
 from coreproc.text import openai_protocol as oai
 from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
 from coreproc.text.media import MediaIntake
@@ -189,6 +190,7 @@ class Job:
     request: CompletionRequest | ChatCompletionRequest
     rids: list[str]
     created: int
+    model: str  # what the response names: the adapter the line ran with, or the engine's model
     results: dict[str, RequestOutput] = field(default_factory=dict)
 
 
@@ -283,7 +285,8 @@ class BatchRunner:
             ]
         except ValueError as e:  # RequestError, InvalidParam, tokenizer errors
             return self._reject(item, e)
-        job = Job(item, req, [], int(time.time()))
+        adapter = req.model if req.model in self.engine.scheduler.loras.adapters else None
+        job = Job(item, req, [], int(time.time()), adapter or self.model_name)
         prompts = []
         for p, sp in zip(prompts_in, params):
             job.rids.append(f"b{self._next}")
@@ -297,6 +300,7 @@ class BatchRunner:
                 priority=req.priority,
                 cache_salt=req.cache_salt,
                 mm_refs={rid: p.mm_refs for rid, p in zip(job.rids, prompts_in)},
+                lora=None if adapter is None else dict.fromkeys(job.rids, LoRARef(adapter, "")),
             )
         except (ValueError, QueueFull) as e:  # InvalidParam, or the engine's queue limit
             if isinstance(e, QueueFull):
@@ -375,7 +379,7 @@ class BatchRunner:
         body = response_body(
             job.request,
             results,
-            self.model_name,
+            job.model,
             job.created,
             hexid,
             self._decode,

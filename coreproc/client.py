@@ -3,9 +3,10 @@
 Runs in the user's process. `AsyncEngineClient` (asyncio) and `EngineClient` (blocking, a private
 event loop in a thread) connect a DEALER socket to the core's ROUTER, submit `EngineRequest`s (one, or
 the sequences of one API request together) and stream their `EngineOutput`s back (token ids,
-logprobs, finish reason); leaving a stream early aborts the requests. A socket monitor notices a
-lost connection, and an `EngineDead` from the core fails every open stream with `EngineDeadError`
-instead of hanging. CURVE keys are used for non-loopback TCP.
+logprobs, finish reason); leaving a stream early aborts the requests. Utility calls: info, stats,
+the prefix cache, LoRA adapters loaded and unloaded at run time. A socket monitor notices a lost
+connection, and an `EngineDead` from the core fails every open stream with `EngineDeadError` instead
+of hanging. CURVE keys are used for non-loopback TCP.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from coreproc.protocol import (
     EngineOutput,
     EngineRequest,
     ErrorCode,
+    LoRARef,
     MultiModalRef,
     OutputBatch,
     SamplingParams,
@@ -251,6 +253,16 @@ class AsyncEngineClient:
     async def reset_prefix_cache(self) -> int:
         return await self.call("reset_prefix_cache")
 
+    async def load_lora(self, name: str, path: str, timeout: float | None = 60.0) -> dict[str, Any]:
+        """Serve the PEFT LoRA folder `path` (on the core's host) as adapter `name` from the next request
+        on (a name again: new weights for new requests); {"lora_name", "lora_path", "rank"}, or
+        `EngineRequestError` saying why it cannot be served."""
+        return await self.call("load_lora", timeout, lora_name=name, lora_path=path)
+
+    async def unload_lora(self, name: str) -> dict[str, Any]:
+        """No new requests for adapter `name`; those running with it finish with it."""
+        return await self.call("unload_lora", lora_name=name)
+
     async def generate(
         self,
         prompt_token_ids: list[int],
@@ -262,11 +274,13 @@ class AsyncEngineClient:
         eos_token_ids: list[int] | None = None,
         admitted: asyncio.Future | None = None,
         mm_refs: list[MultiModalRef] | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[EngineOutput]:
         """Submit one request (one sequence: `params.n` must be 1) and stream its outputs; the last one
         has `finished` set. `admitted`, if given, resolves when the engine accepts the request (or
         fails with the refusal), before any token. `mm_refs`: its images, placeholders already in the
-        prompt (`coreproc.text.media.MediaIntake` builds both from image files or URLs)."""
+        prompt (`coreproc.text.media.MediaIntake` builds both from image files or URLs). `lora`: the
+        name of a loaded adapter to run with (`load_lora`, `--lora-modules`); None: the base model."""
         request = EngineRequest(
             request_id=request_id or uuid.uuid4().hex,
             prompt_token_ids=list(prompt_token_ids),
@@ -275,6 +289,7 @@ class AsyncEngineClient:
             arrival_time=time.time(),
             priority=priority,
             cache_salt=cache_salt,
+            lora=None if lora is None else LoRARef(lora, ""),
             mm_refs=mm_refs or [],
         )
         async for out in self.generate_many([request], admitted=admitted):
@@ -413,13 +428,19 @@ class EngineClient:
     def reset_prefix_cache(self) -> int:
         return self._run(self._client.reset_prefix_cache())
 
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        return self._run(self._client.load_lora(name, path))
+
+    def unload_lora(self, name: str) -> dict[str, Any]:
+        return self._run(self._client.unload_lora(name))
+
     def abort(self, request_id: str) -> None:
         self._run(self._client.abort(request_id))
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams | None = None, **kw: Any
     ) -> Iterator[EngineOutput]:
-        """Blocking iterator over one request's outputs; closing it early aborts the request."""
+        """Blocking iterator over one request's outputs (`lora="name"`, ...); closing it early aborts it."""
         return self._iterate(lambda: self._client.generate(prompt_token_ids, params, **kw))
 
     def generate_many(self, requests: list[EngineRequest], **kw: Any) -> Iterator[EngineOutput]:

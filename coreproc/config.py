@@ -23,6 +23,7 @@ from typing import Any, Literal
 from coreproc import options as opt
 from coreproc.errors import ConfigError
 from coreproc.limits import RequestLimits
+from coreproc.lora import LoRAConfig
 from coreproc.model_config import ModelConfig, one_of
 from coreproc.options import option
 
@@ -289,6 +290,7 @@ class EngineConfig:
         metavar="JSON",
     )
     limits: RequestLimits = field(default_factory=RequestLimits)  # what one request may ask for
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def create(cls, model: str | os.PathLike | None = None, **options: Any) -> EngineConfig:
@@ -344,6 +346,7 @@ class EngineConfig:
             parallel=ParallelConfig(**parts["parallel"]),
             device=device,
             load=LoadConfig(**parts["load"]),
+            lora=LoRAConfig(**parts["lora"]),
             logits_processors=processors,
             speculative=speculative,
             limits=limits,
@@ -375,6 +378,7 @@ ENGINE_SECTIONS: tuple[tuple[str, type], ...] = (
     ("parallel", ParallelConfig),
     ("device", DeviceConfig),
     ("load", LoadConfig),
+    ("lora", LoRAConfig),
     ("engine", EngineConfig),
     ("request limits", RequestLimits),
 )

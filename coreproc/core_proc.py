@@ -128,7 +128,22 @@ class CoreServer:
             limits=dataclasses.asdict(cfg.limits),
             image_token_id=cfg.model.image_token_id,
             mm_cache_bytes=cfg.cache.mm_cache_bytes,
+            lora_enabled=cfg.lora.enable_lora,
+            loras={name: a.path for name, a in self.engine.scheduler.loras.adapters.items()},
         )
+
+    def load_lora(self, lora_name: str, lora_path: str) -> dict[str, object]:
+        """Check and register an adapter (a name again: its new weights, for new requests only); it
+        serves the next request that names it. LoRAError / InvalidParam say what cannot be served."""
+        adapter = self.engine.scheduler.loras.load(lora_name, lora_path)
+        log.info("LoRA adapter %r loaded from %s (rank %d)", lora_name, adapter.path, adapter.rank)
+        return {"lora_name": adapter.name, "lora_path": adapter.path, "rank": adapter.rank}
+
+    def unload_lora(self, lora_name: str) -> dict[str, object]:
+        """Refuse new requests for an adapter; those running with it finish with its weights."""
+        self.engine.scheduler.loras.unload(lora_name)
+        log.info("LoRA adapter %r unloaded", lora_name)
+        return {"lora_name": lora_name}
 
     # ------------------------------------------------------------------ client messages
 
@@ -213,12 +228,16 @@ class CoreServer:
                 self._admitted.append(EngineOutput(req.request_id))
 
     def _utility(self, call: UtilityCall) -> UtilityResult:
-        """Answer one `UtilityMethod`; anything else is refused with the list of methods."""
+        """Answer one `UtilityMethod`; anything else is refused with the list of methods. A failure is
+        the error text: an `EmberError`'s own message (a user can fix it), else with its type."""
+        args = call.args
         answers: dict[UtilityMethod, Callable[[], object]] = {
             "info": self.info,
             "stats": self.engine.stats,
             "reset_prefix_cache": self.engine.reset_prefix_cache,
             "ping": lambda: True,  # a liveness probe that asked for an answer
+            "load_lora": lambda: self.load_lora(_text_arg(args, "lora_name"), _text_arg(args, "lora_path")),
+            "unload_lora": lambda: self.unload_lora(_text_arg(args, "lora_name")),
         }
         answer = answers.get(call.method)
         if answer is None:
@@ -226,7 +245,8 @@ class CoreServer:
         try:
             return UtilityResult(call.call_id, answer())
         except Exception as e:  # a bad utility call must not take the engine down
-            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+            error = str(e) if isinstance(e, EmberError) else f"{type(e).__name__}: {e}"
+            return UtilityResult(call.call_id, error=error)
 
     def _refuse_undecodable(self, identity: bytes, frames: list[bytes], error: Exception) -> None:
         """Drop a malformed message, but answer a utility call the core cannot decode (an unknown
@@ -312,6 +332,13 @@ class CoreServer:
             self.curve.stop()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def _text_arg(args: dict[str, object], name: str) -> str:
+    value = args.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidParam(f"{name} must be a non-empty string", name)
+    return value
 
 
 def _unknown_method(method: object) -> str:

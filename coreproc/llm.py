@@ -21,7 +21,7 @@ from tqdm import tqdm
 from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import InvalidParam, MultiModalRef, QueueFull, SamplingParams, SchedulerStats
+from coreproc.protocol import InvalidParam, LoRARef, MultiModalRef, QueueFull, SamplingParams, SchedulerStats
 from coreproc.startup import boot
 from coreproc.text.chat import chat_images, render_chat
 from coreproc.text.media import ImagePart, MediaIntake
@@ -85,6 +85,15 @@ class LLM:
 
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve a PEFT LoRA adapter folder under `name` (the engine needs `enable_lora=True`); loading
+        a name again replaces its weights (requests already running keep the old ones)."""
+        self.engine.scheduler.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving an adapter (requests running with it finish with it)."""
+        self.engine.scheduler.loras.unload(name)
 
     # ------------------------------------------------------------------ prompts
 
@@ -164,8 +173,16 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         priority: Sequence[int] | None,
+        lora_request: str | Sequence[str | None] | None = None,
     ) -> list[str]:
         items = self._normalize(prompts)
+        names = (
+            [lora_request] * len(items)
+            if lora_request is None or isinstance(lora_request, str)
+            else list(lora_request)
+        )
+        if len(names) != len(items):
+            raise InvalidParam("need one lora_request per prompt (or a single one)", "lora_request")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(items)
         else:
@@ -177,7 +194,9 @@ class LLM:
         rids = []
         for i, ((text, ids, refs), params) in enumerate(zip(items, params_list)):
             rid = str(next(self._ids))
-            self._backlog.append((rid, text, ids, params, priority[i] if priority else 0, refs))
+            name = names[i]
+            lora = None if name is None else LoRARef(name, "")
+            self._backlog.append((rid, text, ids, params, priority[i] if priority else 0, refs, lora))
             rids.append(rid)
         try:
             self._feed()
@@ -191,7 +210,7 @@ class LLM:
     def _feed(self) -> None:
         """Submit held-back prompts until the engine's queue limit (`max_num_queued_*`) is reached."""
         while self._backlog:
-            rid, text, ids, params, prio, refs = self._backlog[0]
+            rid, text, ids, params, prio, refs, lora = self._backlog[0]
             try:
                 self.processor.submit(
                     self.engine,
@@ -199,6 +218,7 @@ class LLM:
                     eos_token_ids=self.eos_token_ids,
                     priority=prio,
                     mm_refs={rid: tuple(refs)},
+                    lora={rid: lora} if lora is not None else None,
                 )
             except QueueFull:
                 return
@@ -224,9 +244,12 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion with continuous batching; results in prompt order."""
-        ids = self._submit(prompts, sampling_params, priority)
+        """Run prompts to completion with continuous batching; results in prompt order. `lora_request`:
+        the name of a loaded adapter (`--lora-modules`, `load_lora`) for every prompt, or one per prompt
+        (None: the base model)."""
+        ids = self._submit(prompts, sampling_params, priority, lora_request)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             try:

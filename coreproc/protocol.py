@@ -30,8 +30,9 @@ FINISH_REASONS: tuple[FinishReason, ...] = get_args(FinishReason)
 RefusalCode = Literal["invalid_request", "overloaded", "unavailable", "mm_cache_miss"]
 # `EngineRequestError.code`: a refusal, or the SDK aborted a reader that fell too far behind
 ErrorCode = Literal[RefusalCode, "slow_consumer"]
-# what the core's utility dispatcher answers; "ping" with call id 0 is the SDK's heartbeat (no reply)
-UtilityMethod = Literal["info", "stats", "reset_prefix_cache", "ping"]
+# what the core's utility dispatcher answers; "ping" with call id 0 is the SDK's heartbeat (no reply);
+# "load_lora" takes args {"lora_name", "lora_path"}, "unload_lora" {"lora_name"}
+UtilityMethod = Literal["info", "stats", "reset_prefix_cache", "ping", "load_lora", "unload_lora"]
 UTILITY_METHODS: tuple[UtilityMethod, ...] = get_args(UtilityMethod)
 CacheRequestKind = Literal["state", "ping"]  # give me the weights / are you ready?
 CacheStatus = Literal["ok", "mismatch", "error", "ready"]  # "ready" answers a "ping"
@@ -168,10 +169,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 class LoRARef(msgspec.Struct, array_like=True, frozen=True):
-    """A LoRA adapter a request runs with: its name and its identity (path or content digest)."""
+    """A LoRA adapter a request runs with: its name and its identity (the digest of its weights). The
+    core fills `path` (where the workers read it) from its own registry: a client's is never used."""
 
     name: str
     identity: str
+    path: str = ""
 
 
 class PixelData(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -232,6 +235,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_token_ids: list[int] = []
     eos_token_ids: list[int] = []
     mm_items: list[MultiModalRef] = []  # images, their pixels always included (resolved by the core)
+    lora: LoRARef | None = None  # its adapter, `path` filled by the core
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -379,6 +383,8 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     limits: dict[str, int] = {}  # the core's `RequestLimits`, resolved (see coreproc/limits.py)
     image_token_id: int | None = None  # the model takes images: their placeholder token
     mm_cache_bytes: int = 0  # what the core keeps of sent images (clients mirror it to send hashes)
+    lora_enabled: bool = False  # the engine serves LoRA adapters (--enable-lora)
+    loras: dict[str, str] = {}  # the adapters loaded when this answer was made: name -> folder
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True):

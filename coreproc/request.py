@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 
-from coreproc.protocol import EngineRequest, FinishReason, MultiModalRef, SamplingParams
+from coreproc.protocol import EngineRequest, FinishReason, LoRARef, MultiModalRef, SamplingParams
 from coreproc.spec_decode import ProposalLength
 
 
@@ -42,7 +42,11 @@ class Request:
     """Mutable per-request state owned by the scheduler."""
 
     def __init__(
-        self, req: EngineRequest, arrival_seq: int, mm_refs: list[MultiModalRef] | None = None
+        self,
+        req: EngineRequest,
+        arrival_seq: int,
+        mm_refs: list[MultiModalRef] | None = None,
+        lora: LoRARef | None = None,
     ) -> None:
         self.request_id = req.request_id
         self.prompt_token_ids = list(req.prompt_token_ids)
@@ -52,7 +56,7 @@ class Request:
         self.arrival_seq = arrival_seq
         self.priority = req.priority
         self.cache_salt = req.cache_salt
-        self.lora = req.lora
+        self.lora = req.lora if lora is None else lora  # the registry's (with its path)
         self.mm_refs = (
             req.mm_refs if mm_refs is None else mm_refs
         )  # with pixels (the core's store resolves them)

@@ -21,6 +21,7 @@ import time
 from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
 from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
+from coreproc.lora_registry import LoRARegistry
 from coreproc.mm_store import MediaStore
 from coreproc.protocol import (
     CachedRequestData,
@@ -59,6 +60,7 @@ class Scheduler:
         ctx = ProcessorContext(config.model.vocab_size, config.model.max_model_len)
         self.processors = load_processors(engine_specs(config.logits_processors), ctx)
         self.image_token_id = config.model.image_token_id
+        self.loras = LoRARegistry(config.lora)
         self.media = MediaStore(config.cache.mm_cache_bytes)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(self.policy)
@@ -105,9 +107,10 @@ class Scheduler:
             )
         sc = self.config.scheduler
         self.waiting.admit(ers, sc.max_num_queued_requests, sc.max_num_queued_tokens)
+        adapters = [self.loras.resolve(er.lora) if er.lora is not None else None for er in ers]
         images = self.media.resolve(ers) if any(er.mm_refs for er in ers) else [[] for _ in ers]
-        for er, items in zip(ers, images):
-            req = Request(er, self._arrivals, items)
+        for er, items, adapter in zip(ers, images, adapters):
+            req = Request(er, self._arrivals, items, adapter)
             self._arrivals += 1
             self.requests[req.request_id] = req
             self.waiting.add(req)
@@ -279,8 +282,13 @@ class Scheduler:
                 new_blocks[req.request_id] += self._reserve_lookahead(req, n)
 
         admitted: list[Request] = []
+        adapters = {r.lora.name for r in self.running if r.lora is not None}
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting.peek()
+            if req.lora is not None and req.lora.name not in adapters:
+                if len(adapters) >= self.loras.max_loras:
+                    break  # a step mixes at most --max-loras adapters; it waits for one to finish
+                adapters.add(req.lora.name)
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = self._chunk(req, num_hit, budget, share)
             ids = self.kv.allocate_slots(req, n, hit_blocks) if n > 0 else None
@@ -325,6 +333,7 @@ class Scheduler:
                         req.output_token_ids,
                         req.eos_token_ids,
                         req.mm_refs,
+                        req.lora,
                     )
                 )
                 req.in_workers = True

@@ -46,8 +46,6 @@ def validate(
     params.validate()
     limits.check_sampling(params)
     validate_request(processors, params)
-    if er.lora is not None:
-        raise InvalidParam(f"LoRA adapter {er.lora.name!r}: no adapters are loaded in this engine", "lora")
     if er.mm_refs or image_token_id is not None:
         validate_images(er, image_token_id)
 

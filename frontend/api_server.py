@@ -3,8 +3,11 @@
 Runs in the frontend process; the engine runs in an `ember-core` child (and its workers), reached
 through the same `AsyncEngineClient` as the SDK. Routes: /v1/completions, /v1/chat/completions,
 /v1/models, /tokenize, /detokenize, /version, /health (alive *and* making progress), /ready,
-/metrics (Prometheus) and /openapi.json. Middleware: body size limit (413), API key on /v1 (401),
-CORS. Every error body is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+/metrics (Prometheus) and /openapi.json; with --enable-lora-runtime-updates also
+/v1/load_lora_adapter and /v1/unload_lora_adapter (without it they do not exist: 404). A request's
+model is the served model or a loaded LoRA adapter (the frontend's list, from the core's info and the
+results of those two routes). Middleware: body size limit (413), API key on /v1 (401), CORS. Every
+error body is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -25,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coreproc.client import AsyncEngineClient, EngineDeadError
+from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from coreproc.host import engine_version
 from coreproc.limits import RequestLimits
 from coreproc.protocol import SchedulerStats
@@ -33,8 +37,10 @@ from coreproc.text.media import MediaIntake
 from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     RequestError,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     check_messages,
     parse_body,
     parse_chat_request,
@@ -137,6 +143,11 @@ class Api:
         if info.image_token_id is not None:  # a multimodal model: its image processes start now
             media = MediaIntake.from_model(info.model, info.image_token_id, self.cfg.media)
             media.warm()
+        loras = dict(info.loras)
+        for name in sorted(self.accepted & set(loras)):
+            log.warning(
+                "LoRA adapter %r has the served model's name: requests naming it get the base model", name
+            )
         self.ctx = ServingContext(
             client=client,
             tokenizer=self.tokenizer or load_tokenizer(info.model),
@@ -151,6 +162,7 @@ class Api:
             fields=self.cfg.features.fields(),
             media_config=self.cfg.media,
             media=media,
+            loras=loras,
         )
         poller = asyncio.create_task(self._poll_engine())
         try:
@@ -176,15 +188,20 @@ class Api:
 
     # ------------------------------------------------------------------ helpers
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.accepted:
-            raise RequestError(
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-                status=404,
-                err_type="NotFoundError",
-            )
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's model names (None: the served model); 404 for any other."""
+        if model is None or model in self.accepted:
+            return None
+        if self.ctx is not None and model in self.ctx.loras:
+            return model
+        adapters = " and LoRA adapters (GET /v1/models lists them)" if self.ctx and self.ctx.loras else ""
+        raise RequestError(
+            f"the model {model!r} does not exist; this server serves {self.model_name!r}{adapters}",
+            param="model",
+            code="model_not_found",
+            status=404,
+            err_type="NotFoundError",
+        )
 
     def _available(self) -> None:
         if self.ctx is None or self.ctx.dead is not None or self.ctx.client.dead is not None:
@@ -206,27 +223,87 @@ class Api:
             fields = self.ctx.fields if self.ctx is not None else None
             parse = parse_chat_request if chat else parse_completion_request
             req = parse(body, limits, fields)
-            self._check_model(req.model)
+            lora = self._check_model(req.model)
             self._available()
             prompts = await render(self.ctx, req)
-            return await serve_generation(self.ctx, request, req, prompts)
+            return await serve_generation(self.ctx, request, req, prompts, lora)
         except RequestError as e:
             if self.ctx is not None:
                 self.ctx.metrics.request_rejected(e.status)
             return error_response(e)
 
     async def models(self, request: Request) -> Response:
+        """The served model, then one card per LoRA adapter (its `parent` the served model)."""
         info = self.ctx.info if self.ctx else None
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "ember",
-            "root": self.model_dir,
-        }
-        if info is not None:
-            card["max_model_len"] = info.max_model_len
-        return JSONResponse({"object": "list", "data": [card]})
+        loras = self.ctx.loras if self.ctx else {}
+        models = [(self.model_name, self.model_dir, None)]
+        models += [(name, path, self.model_name) for name, path in loras.items() if name not in self.accepted]
+        cards = []
+        for name, root, parent in models:
+            card = {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "ember",
+                "root": root,
+                "parent": parent,
+            }
+            if info is not None:
+                card["max_model_len"] = info.max_model_len
+            cards.append(card)
+        return JSONResponse({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Serve a PEFT LoRA folder (on this host) as a model (--enable-lora-runtime-updates)."""
+
+        async def load(ctx: ServingContext, req: LoadLoRAAdapterRequest) -> dict[str, Any]:
+            name = req.lora_name
+            if not ctx.info.lora_enabled:
+                raise RequestError("LoRA is not enabled in this engine (start it with --enable-lora)")
+            if name in self.accepted:
+                raise RequestError(f"{name!r} is the served model's name, not an adapter's", "lora_name")
+            if name in ctx.loras and not req.load_inplace:
+                message = f"a LoRA adapter named {name!r} is already loaded (load_inplace: true replaces it)"
+                raise RequestError(message, "lora_name")
+            loaded = await ctx.client.load_lora(name, req.lora_path)
+            ctx.loras[name] = loaded["lora_path"]
+            return {"message": f"LoRA adapter {name!r} loaded from {loaded['lora_path']}", **loaded}
+
+        return await self._update_loras(request, LoadLoRAAdapterRequest, load, None)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Stop serving an adapter; requests running with it finish (--enable-lora-runtime-updates)."""
+
+        async def unload(ctx: ServingContext, req: UnloadLoRAAdapterRequest) -> dict[str, Any]:
+            try:
+                await ctx.client.unload_lora(req.lora_name)
+            finally:  # whatever the core answers (unloaded, never there), no new request names it
+                ctx.loras.pop(req.lora_name, None)
+            return {"message": f"LoRA adapter {req.lora_name!r} unloaded", "lora_name": req.lora_name}
+
+        return await self._update_loras(request, UnloadLoRAAdapterRequest, unload, "lora_name")
+
+    async def _update_loras(
+        self,
+        request: Request,
+        typ: type,
+        update: Callable[[ServingContext, Any], Awaitable[dict]],
+        param: str | None,
+    ) -> Response:
+        """Parse the body, run `update` against the core, answer its message; the core's refusals
+        (missing folder, rank, targets, slots, unknown name) are 400s naming `param`."""
+        try:
+            req = parse_body(await request.body(), typ, self.ctx.fields if self.ctx else None)
+            self._available()
+            answer = await update(self.ctx, req)
+        except RequestError as e:
+            return error_response(e)
+        except EngineRequestError as e:
+            return error_response(RequestError(str(e), param, code="invalid_lora_adapter"))
+        except EngineDeadError as e:
+            return error_response(engine_dead_error(str(e)))
+        log.info("%s", answer["message"])
+        return JSONResponse(answer)
 
     async def tokenize(self, request: Request) -> Response:
         try:
@@ -309,7 +386,9 @@ class Api:
     async def openapi(self, request: Request) -> Response:
         from frontend.openapi import build_openapi
 
-        return JSONResponse(build_openapi("Ember", engine_version()))
+        return JSONResponse(
+            build_openapi("Ember", engine_version(), lora_updates=self.cfg.enable_lora_runtime_updates)
+        )
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
@@ -347,6 +426,11 @@ def build_app(
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/openapi.json", api.openapi, methods=["GET"]),
     ]
+    if cfg.enable_lora_runtime_updates:  # without the flag these routes do not exist (404)
+        routes += [
+            Route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"]),
+        ]
     middleware = [Middleware(BodyLimit, limit=cfg.max_request_bytes)]
     if cfg.api_key:
         middleware.append(Middleware(ApiKey, key=cfg.api_key))

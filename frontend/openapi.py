@@ -3,7 +3,8 @@
 Runs in the frontend (built once when the server starts). Request-body schemas are generated from the
 msgspec Structs the server decodes with (`openai_protocol.py`), so the document cannot drift from what
 is accepted. Response bodies are described by documentation-only Structs below that mirror the dicts
-built in `openai_responses.py`; every error response shares one `ErrorResponse` schema.
+built in `openai_responses.py`; every error response shares one `ErrorResponse` schema. The LoRA
+routes are in the document only when the server answers them (--enable-lora-runtime-updates).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 REF = "#/components/schemas/{name}"
@@ -81,10 +84,15 @@ class ChatCompletionResponse(msgspec.Struct):
 
 
 class ModelCard(msgspec.Struct):
+    """The served model, or a LoRA adapter of it (`parent`: the served model's id; `root`: its folder)."""
+
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int | None = None
 
 
 class ModelList(msgspec.Struct):
@@ -106,6 +114,13 @@ class VersionResponse(msgspec.Struct):
     version: str
 
 
+class LoRAAdapterResponse(msgspec.Struct):
+    message: str
+    lora_name: str
+    lora_path: str | None = None  # (load) the folder, resolved on the server's host
+    rank: int | None = None  # (load)
+
+
 _SCHEMA_TYPES = (
     CompletionRequest,
     ChatCompletionRequest,
@@ -119,6 +134,7 @@ _SCHEMA_TYPES = (
     DetokenizeResponse,
     VersionResponse,
 )
+_LORA_SCHEMA_TYPES = (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, LoRAAdapterResponse)
 
 # Reusable error responses: status -> (component name, description).
 ERRORS = {
@@ -202,8 +218,8 @@ def _paths() -> dict[str, Any]:
         },
         "/v1/models": {
             "get": _operation(
-                "List the served model",
-                {"200": _json("ModelList", "The served model."), **_errors(401)},
+                "List the served model and its loaded LoRA adapters",
+                {"200": _json("ModelList", "The served model, then one card per adapter."), **_errors(401)},
                 secured=True,
                 tag="openai",
             )
@@ -258,9 +274,34 @@ def _paths() -> dict[str, Any]:
     }
 
 
-def build_openapi(title: str, version: str) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of the server; schemas generated from the request Structs."""
-    _, schemas = msgspec.json.schema_components(_SCHEMA_TYPES, ref_template=REF)
+def _lora_paths() -> dict[str, Any]:
+    ok = _json("LoRAAdapterResponse", "Done; the adapter's name is (or is no longer) a model of this server.")
+    return {
+        "/v1/load_lora_adapter": {
+            "post": _operation(
+                "Serve a PEFT LoRA folder on the server's host as a model (a name again, with "
+                "load_inplace: its new weights for new requests)",
+                {"200": ok, **_errors(400, 401, 413, 503)},
+                body="LoadLoRAAdapterRequest",
+                secured=True,
+            )
+        },
+        "/v1/unload_lora_adapter": {
+            "post": _operation(
+                "Stop serving a LoRA adapter (requests running with it finish)",
+                {"200": ok, **_errors(400, 401, 413, 503)},
+                body="UnloadLoRAAdapterRequest",
+                secured=True,
+            )
+        },
+    }
+
+
+def build_openapi(title: str, version: str, *, lora_updates: bool = False) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the server; schemas generated from the request Structs.
+    `lora_updates`: the server answers the LoRA load / unload routes (--enable-lora-runtime-updates)."""
+    types = _SCHEMA_TYPES + (_LORA_SCHEMA_TYPES if lora_updates else ())
+    _, schemas = msgspec.json.schema_components(types, ref_template=REF)
     responses = {name: _json("ErrorResponse", description) for name, description in ERRORS.values()}
     description = (
         "An OpenAI-compatible LLM inference server. The /v1/* and /reset_prefix_cache endpoints accept "
@@ -271,7 +312,7 @@ def build_openapi(title: str, version: str) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version, "description": description},
-        "paths": _paths(),
+        "paths": {**_paths(), **(_lora_paths() if lora_updates else {})},
         "components": {
             "schemas": dict(sorted(schemas.items())),
             "responses": responses,

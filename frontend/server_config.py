@@ -33,6 +33,11 @@ class ServerConfig:
         "seconds a streaming client may take to accept one chunk before it is cut off", 60.0
     )
     shutdown_timeout: float = option("on SIGTERM, seconds running requests may take to finish", 30.0)
+    enable_lora_runtime_updates: bool = option(
+        "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (without it they are 404); "
+        "whoever may call them makes the engine read any folder it can reach: set --api-key",
+        False,
+    )
     features: ChatFeatures = field(default_factory=ChatFeatures)  # the `openai` flags
     media: MediaConfig = field(default_factory=MediaConfig)  # the `media` flags: image input
 

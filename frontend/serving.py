@@ -10,7 +10,8 @@ queue full or shutting down); an engine that dies later becomes a 503 or an SSE 
 whose reader falls too far behind (`--max-stream-buffer-tokens`) or takes no data for
 `--stream-send-timeout` seconds is aborted, never buffered without bound. A chat's images are taken
 in (`render`: fetched on threads, decoded and processed in the `ember-media` processes) before its
-sequences are built; only the first sequence of a prompt carries their pixels.
+sequences are built; only the first sequence of a prompt carries their pixels. A request whose model is
+a LoRA adapter's name runs every sequence with it, and its responses name the adapter.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from starlette.types import Message, Send
 
 from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestError
 from coreproc.limits import RequestLimits
-from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, FinishReason, SamplingParams
+from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, FinishReason, LoRARef, SamplingParams
 from coreproc.text import openai_responses as oresp
 from coreproc.text.chat_features import ChatFeatures, OutputParser
 from coreproc.text.media import MediaIntake
@@ -68,6 +69,7 @@ class ServingContext:
     fields: FieldPolicy = field(default_factory=FieldPolicy)
     media_config: MediaConfig = field(default_factory=MediaConfig)  # the `media` flags
     media: MediaIntake | None = None  # image input (a multimodal model only)
+    loras: dict[str, str] = field(default_factory=dict)  # the adapters served: name -> folder
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=True)
@@ -120,6 +122,7 @@ class Generation:
     req: CompletionRequest | ChatCompletionRequest
     prompts: list[Prompt]
     params: list[SamplingParams]
+    lora: str | None = None  # the adapter every sequence runs with (None: the base model)
     hexid: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     timer: RequestTimer | None = None
@@ -134,6 +137,11 @@ class Generation:
         self._registered = False
 
     @property
+    def model_name(self) -> str:
+        """The model its responses name: the adapter, or the served model."""
+        return self.lora or self.ctx.model_name
+
+    @property
     def num_sequences(self) -> int:
         return sum(p.n for p in self.params)
 
@@ -142,6 +150,7 @@ class Generation:
         leave unread before the request is aborted."""
         self.timer = self.ctx.metrics.request_started()
         req = self.req
+        lora = None if self.lora is None else LoRARef(self.lora, "")
         for k, (prompt, params) in enumerate(zip(self.prompts, self.params)):
             rid = f"{self.hexid}-{k}"
             self.rids.append(rid)
@@ -152,6 +161,7 @@ class Generation:
                 priority=req.priority,
                 cache_salt=req.cache_salt,
                 mm_refs=prompt.mm_refs,
+                lora=lora,
             )
             self._built.append((rid, prompt.text, prompt.ids, ers))
         self.admitted = asyncio.get_running_loop().create_future()
@@ -267,7 +277,7 @@ async def respond(gen: Generation, request: Request) -> Response:
     await gen.close("error" if "error" in reasons else reasons[0] or "stop")
     ctx = gen.ctx
     body = response_body(
-        gen.req, results, ctx.model_name, gen.created, gen.hexid, ctx.decode, ctx.features, ctx.tokenizer
+        gen.req, results, gen.model_name, gen.created, gen.hexid, ctx.decode, ctx.features, ctx.tokenizer
     )
     return JSONResponse(body)
 
@@ -281,7 +291,7 @@ async def stream(gen: Generation) -> AsyncIterator[bytes]:
     req, ctx = gen.req, gen.ctx
     chat = isinstance(req, ChatCompletionRequest)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{gen.hexid}"
-    head = (rid, ctx.model_name, gen.created)
+    head = (rid, gen.model_name, gen.created)
     sent_text: dict[int, int] = {}  # choice index -> characters sent (completion text offsets)
     parsers: dict[int, OutputParser | None] = {}  # chat choice index -> its reasoning / tool-call parser
     reason: FinishReason = "abort"
@@ -386,15 +396,16 @@ async def serve_generation(
     request: Request,
     req: CompletionRequest | ChatCompletionRequest,
     prompts: list[Prompt],
+    lora: str | None = None,
 ) -> Response:
-    """Validate sampling against the context and the limits, submit as one unit, and answer (JSON
-    or SSE)."""
+    """Validate sampling against the context and the limits, submit as one unit (with adapter `lora`,
+    if named), and answer (JSON or SSE)."""
     limit = ctx.info.max_model_len
     constraint = ctx.features.constraint
     params = [
         to_sampling_params(req, len(p.ids), limit, constraint(req, ctx.tokenizer, p.ids)) for p in prompts
     ]
-    gen = Generation(ctx, req, prompts, params)
+    gen = Generation(ctx, req, prompts, params, lora)
     if req.stream:
         gen.start(ctx.max_stream_buffer_tokens)
         try:

@@ -47,6 +47,11 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "kv_cache_dtype": ("fp8", "fp8"),
     "enable_prefix_caching": ("--no-enable-prefix-caching", False),
     "prefix_hash_seed": ("3", 3),
+    "enable_lora": ("--enable-lora", True),
+    "lora_modules": ("a=/nonexistent", ("a=/nonexistent",)),
+    "max_loras": ("2", 2),
+    "max_lora_rank": ("8", 8),
+    "max_cpu_loras": ("4", 4),
     "mm_processor_cache_gb": ("0.5", 0.5),
     "mm_encoder_cache_gb": ("0.25", 0.25),
     "max_num_seqs": ("12", 12),
@@ -96,7 +101,7 @@ def test_every_command_has_every_flag_with_the_same_default(command: list[str]) 
     args = parser.parse_args(command)
     assert engine_options(args) == options.defaults(ENGINE_SECTIONS)
     for s in SETTINGS:
-        if s.keyword in ("model", "logits_processors"):
+        if s.keyword in ("model", "logits_processors", "lora_modules"):
             continue  # model: positional or flag; nargs="*" before a positional reads it as a value
         cut = 2 if command[0] == "bench" else 1  # the subcommand, then the flag, then the rest
         got = engine_options(parser.parse_args([*command[:cut], *argv_for(s.keyword), *command[cut:]]))
@@ -123,6 +128,8 @@ def test_each_keyword_lands_in_its_field(keyword: str, monkeypatch: pytest.Monke
         extra["data_parallel_size"] = 2
     if keyword == "max_num_active_seqs":
         extra["max_num_seqs"] = 8
+    if keyword == "lora_modules":
+        extra["enable_lora"] = True
     if keyword == "speculative_config":
         config = EngineConfig.create(speculative_config=SAMPLES[keyword][0])
         assert config.speculative is not None and config.speculative.num_speculative_tokens == 2

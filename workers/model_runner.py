@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from coreproc.logits_processors import LogitsProcessor, Row
-from coreproc.protocol import RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from coreproc.protocol import LoRARef, RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
 from workers.draft import DraftJob, DraftProposer, DraftState
 from workers.mm_inputs import EncoderCache, ImageEncoder, RequestImages, StepImages, gather_step_images
@@ -26,6 +26,9 @@ from workers.models.fused_decode import Forward
 from workers.models.llama import LlamaForCausalLM
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
 from workers.structured import StructuredOutputs
+
+if TYPE_CHECKING:
+    from workers.lora import LoRAManager
 
 
 @dataclass
@@ -40,6 +43,7 @@ class RequestState:
     eos_ids: list[int] = field(default_factory=list)
     draft: DraftState = field(default_factory=DraftState)  # what the draft model's KV holds
     images: RequestImages | None = None  # a prompt with images: their pixels and encoder outputs
+    lora: LoRARef | None = None  # its adapter
 
     @property
     def num_tokens(self) -> int:
@@ -52,6 +56,10 @@ class RequestState:
             return self.prompt_ids[i]
         i -= n
         return self.output_ids[i] if i < len(self.output_ids) else spec[i - len(self.output_ids)]
+
+
+def _adapter(state: RequestState) -> str:
+    return "" if state.lora is None else state.lora.identity
 
 
 def _logprob_entries(
@@ -84,9 +92,11 @@ class ModelRunner:
         forward: Forward | None = None,
         structured: StructuredOutputs | None = None,
         encoder_cache: EncoderCache | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.encoder_cache = encoder_cache  # a vision-language model's: encoder outputs by image hash
+        self.lora = lora  # LoRA adapter slots (--enable-lora)
         # what runs the step: `model` itself, or its one-call decode layers (fused_decode.select_forward)
         self.forward: Forward = model if forward is None else forward
         self.draft = draft
@@ -112,6 +122,7 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 eos_ids=list(new.eos_token_ids),
                 images=RequestImages(list(new.mm_items)) if new.mm_items else None,
+                lora=new.lora,
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
@@ -125,6 +136,8 @@ class ModelRunner:
             return RunnerOutput()
         # decodes (one query token) first: the attention backend runs them with the decode kernel
         req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
+        if self.lora is not None:  # and each adapter's requests together (its tokens in runs)
+            req_ids.sort(key=lambda r: (out.num_scheduled_tokens[r] != 1, _adapter(self.requests[r])))
         states = [self.requests[r] for r in req_ids]
         q_lens = [out.num_scheduled_tokens[r] for r in req_ids]
         seq_lens = [s.num_computed_tokens + q for s, q in zip(states, q_lens)]
@@ -141,12 +154,17 @@ class ModelRunner:
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         began = time.perf_counter()
+        lora_failed = (
+            {} if self.lora is None else self.lora.prepare([s.lora for s in states], q_lens, req_ids)
+        )
         images = self._step_images(req_ids, states, q_lens, seq_lens, meta)
         if images is not None and images.rows:  # placeholders take the images' embeddings
             embeds = self.model.model.embed_tokens(ids_t)
             for row, rows in images.rows:
                 embeds[row : row + rows.shape[0]] = rows.to(embeds.dtype)
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
+        elif self.lora is not None and self.lora.step.slots is not None:  # deltas live in the modules
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         else:
             hidden = self.forward(ids_t, pos_t, self.kv_caches, meta)
         ends = meta.query_start_loc_cpu[1:]
@@ -168,6 +186,8 @@ class ModelRunner:
         if self.structured is not None:
             output.failed = self.structured.pop_failed()
             output.structured_seconds = self.structured.pop_seconds()
+        if lora_failed:
+            output.failed = {**output.failed, **lora_failed}
         if images is not None:
             output.failed = {**output.failed, **images.failed}
             output.encoder_hits, output.encoder_misses = images.hits, images.misses

@@ -133,6 +133,11 @@ class Worker:
         weights = self.load_weights(show_progress)
         draft = self.load_draft(show_progress)
         forward = self.pick_kernels(weights.model)
+        lora = None
+        if self.config.lora.enable_lora:
+            from workers.lora import LoRAManager  # (imports triton: only where adapters are served)
+
+            lora = LoRAManager(weights.model, self.config.lora, self.tp, self.device)
         draft_forward = self.pick_kernels(draft) if draft is not None else None
         memory = self.measure_memory(weights.model, draft)
         num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device)
@@ -161,6 +166,7 @@ class Worker:
             forward,
             structured,
             images,
+            lora,
         )
         return WorkerReady(
             rank=self.tp.rank,

@@ -10,7 +10,7 @@ them against the server's `RequestLimits` before anything is tokenized, and maps
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -173,6 +173,21 @@ class DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /v1/load_lora_adapter` (vLLM's spelling): serve a PEFT LoRA folder on the server's host
+    as the model `lora_name`; `load_inplace` replaces the weights of a name already loaded."""
+
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    lora_path: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /v1/unload_lora_adapter`: stop serving an adapter (running requests finish with it)."""
+
+    lora_name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 _MISSING = re.compile(r"missing required field `([^`]+)`")

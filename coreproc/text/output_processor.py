@@ -23,6 +23,7 @@ from coreproc.protocol import (
     EngineOutput,
     EngineRequest,
     FinishReason,
+    LoRARef,
     MultiModalRef,
     SamplingParams,
     TokenLogprobs,
@@ -124,6 +125,7 @@ class OutputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         mm_refs: tuple[MultiModalRef, ...] = (),
+        lora: LoRARef | None = None,
     ) -> list[EngineRequest]:
         """The engine requests of one prompt's n sequences ("{i}_{id}" when n > 1, seeds offset by i).
         The prompt's images (`mm_refs`) travel with their pixels on the first sequence only; the others
@@ -143,6 +145,7 @@ class OutputProcessor:
                 priority=priority,
                 cache_salt=cache_salt,
                 mm_refs=list(mm_refs) if i == 0 else by_hash,
+                lora=lora,
             )
             for i in range(params.n)
         ]
@@ -183,6 +186,7 @@ class OutputProcessor:
         priority: int = 0,
         cache_salt: str | None = None,
         mm_refs: Mapping[str, tuple[MultiModalRef, ...]] | None = None,
+        lora: Mapping[str, LoRARef] | None = None,
     ) -> None:
         """Add the sequences of one API request's prompts ((request id, text, token ids, params) each;
         `mm_refs`: the images of a prompt, by request id) to `engine` (an `EngineCore`) together, and
@@ -191,7 +195,8 @@ class OutputProcessor:
         refs = mm_refs or {}
         built = [
             (rid, text, ids, self.engine_requests(rid, ids, p, eos_token_ids=eos_token_ids, priority=priority,
-                                                  cache_salt=cache_salt, mm_refs=refs.get(rid, ())))
+                                                  cache_salt=cache_salt, mm_refs=refs.get(rid, ()),
+                                                  lora=(lora or {}).get(rid)))
             for rid, text, ids, p in prompts
         ]  # fmt: skip
         engine.add_requests([er for *_, ers in built for er in ers])

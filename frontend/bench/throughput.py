@@ -11,6 +11,10 @@ the constraint's per-step cost: constrained minus free ms/step, and as a % of th
 with the same spec compile its grammar before the timing. json-schema and regex cannot complete within
 `--output-len` tokens, so every step masks every row; choice ends after a word or two and measures
 mostly admission (a matcher per request and its first masks).
+
+With `--lora` (and `--enable-lora --lora-modules ...`) the in-process engine runs the workload twice,
+the base model alone and then every request with an adapter, round robin over the loaded ones (fresh
+prompts of the same lengths), and reports the mixed batch's throughput as a share of the base's.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Result:
     structured: str = "none"  # the constraint every request carried (one of STRUCTURED)
     free_ms_per_step: float | None = None  # a constrained row: the same engine's unconstrained run
     mask_seconds: float = 0.0  # the workers' time in grammar matchers and masks (SchedulerStats)
+    lora: str = "base"  # "base", or "mixed:K" (requests round robin over K adapters)
 
     def spec_line(self) -> str | None:
         s = self.spec
@@ -121,6 +126,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also run every request under this constraint and report its per-step cost; json-schema "
         "and regex mask every step, choice ends early and measures mostly admission",
     )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="in-process: the base model alone, then every request with one of the --lora-modules "
+        "adapters (round robin); needs --enable-lora",
+    )
 
 
 def structured_spec(kind: str, output_len: int) -> StructuredSpec | None:
@@ -148,6 +159,11 @@ class Workload:
     prompts: list[list[int]]
     warmup_prompts: list[list[int]]
     params: SamplingParams
+    loras: list[str | None] | None = None  # an adapter per prompt (None: all on the base model)
+
+    @property
+    def lora_label(self) -> str:
+        return "base" if not self.loras else f"mixed:{len(set(self.loras))}"
 
     @property
     def warmup(self) -> SamplingParams:
@@ -186,6 +202,7 @@ def results_of(
             quantize_seconds,
             t.stats if config.speculative is not None else None,
             t.workload.structured,
+            lora=t.workload.lora_label,
         )
         r.mask_seconds = t.stats.structured_seconds - t.before.structured_seconds
         if r.structured != "none" and results:
@@ -200,10 +217,10 @@ def run_inproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
     timed = []
     with LLM(config=config, show_progress=False) as llm:
         for w in workloads:
-            llm.generate(w.warmup_prompts, w.warmup, use_tqdm=False)
+            llm.generate(w.warmup_prompts, w.warmup, use_tqdm=False, lora_request=w.loras)
             before = llm.stats()
             start = time.perf_counter()
-            outs = llm.generate(w.prompts, w.params, use_tqdm=False)
+            outs = llm.generate(w.prompts, w.params, use_tqdm=False, lora_request=w.loras)
             seconds = time.perf_counter() - start
             stats = llm.stats()
             produced = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -242,17 +259,29 @@ def run_multiproc(config: EngineConfig, workloads: list[Workload]) -> list[Resul
     return results_of(config, mode, timed, sum(info.weight_bytes_by_dtype.values()), info.quantize_seconds)
 
 
-def workloads_of(args: argparse.Namespace, tokenizer: Any, vocab_size: int) -> list[Workload]:
-    """The free run, and with --structured the constrained one; each has its own prompts."""
+def workloads_of(args: argparse.Namespace, config: EngineConfig, tokenizer: Any) -> list[Workload]:
+    """The free run, with --structured the constrained one, with --lora the mixed-adapter one; each
+    has its own prompts."""
+    from coreproc.config import ConfigError
+
+    vocab_size = config.model.vocab_size
     n = args.num_prompts
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     spec = structured_spec(args.structured, args.output_len)
     runs = [("none", params)]
     if spec is not None:
         runs.append((args.structured, msgspec.structs.replace(params, structured=spec)))
-    prompts = workload_prompts(args, tokenizer, vocab_size, 2 * n * len(runs))
-    sets = [prompts[i * n : (i + 1) * n] for i in range(2 * len(runs))]  # timed, warm-up, timed, ...
-    return [Workload(name, sets[2 * i], sets[2 * i + 1], sp) for i, (name, sp) in enumerate(runs)]
+    adapters = [name for name, _ in config.lora.modules()] if args.lora else []
+    if args.lora and not adapters:
+        raise ConfigError("--lora needs adapters: --enable-lora --lora-modules NAME=PATH ...")
+    total = len(runs) + (1 if adapters else 0)
+    prompts = workload_prompts(args, tokenizer, vocab_size, 2 * n * total)
+    sets = [prompts[i * n : (i + 1) * n] for i in range(2 * total)]  # timed, warm-up, timed, ...
+    out = [Workload(name, sets[2 * i], sets[2 * i + 1], sp) for i, (name, sp) in enumerate(runs)]
+    if adapters:  # the same batch, each request with an adapter, round robin
+        mix: list[str | None] = [adapters[i % len(adapters)] for i in range(n)]
+        out.append(Workload("none", sets[-2], sets[-1], params, mix))
+    return out
 
 
 def print_report(args: argparse.Namespace, config: EngineConfig, results: list[Result]) -> None:
@@ -260,18 +289,31 @@ def print_report(args: argparse.Namespace, config: EngineConfig, results: list[R
         f"model {config.model.model} ({config.model.dtype}), {args.num_prompts} prompts x "
         f"{args.input_len} in / {args.output_len} out, max_num_seqs {config.scheduler.max_num_seqs}"
     )
-    head = f"{'mode':<15}{'quant':<16}{'structured':<13}{'out tok/s':>11}{'total tok/s':>13}{'seconds':>9}"
+    head = f"{'mode':<15}{'quant':<16}{'structured':<13}{'lora':<10}{'out tok/s':>11}{'total tok/s':>13}"
+    head += f"{'seconds':>9}"
     print(head + f"{'steps':>7}{'ms/step':>9}{'weights MiB':>13}{'quant s':>9}")
     for r in results:
         print(
-            f"{r.mode:<15}{r.quantization:<16}{r.structured:<13}{r.output_tps:>11.1f}{r.total_tps:>13.1f}"
+            f"{r.mode:<15}{r.quantization:<16}{r.structured:<13}{r.lora:<10}{r.output_tps:>11.1f}"
+            f"{r.total_tps:>13.1f}"
             f"{r.seconds:>9.2f}{r.steps:>7}{r.ms_per_step:>9.2f}{r.weight_bytes / 2**20:>13.1f}"
             f"{r.quantize_seconds:>9.2f}"
         )
     for r in results:
         if r.spec_line():
             print(r.spec_line())
-    free = [r for r in results if r.structured == "none"]
+    for r in results:
+        base = next(
+            (b for b in results if b.mode == r.mode and b.lora == "base" and b.structured == "none"), None
+        )
+        if r.lora != "base" and base is not None:
+            print(
+                f"summary: batch of {r.requests} over {r.lora.split(':')[1]} adapters ({r.mode}): "
+                f"{r.output_tps:.1f} output tok/s, {100 * r.output_tps / base.output_tps:.1f}% of the base "
+                f"model alone ({base.output_tps:.1f}); {r.ms_per_step:.2f} vs {base.ms_per_step:.2f} ms "
+                "per step"
+            )
+    free = [r for r in results if r.structured == "none" and r.lora == "base"]
     if len(free) == 2 and not args.quantization_methods:
         a, b = free
         loss = 100.0 * (1 - b.output_tps / a.output_tps)
@@ -291,7 +333,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from coreproc.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(config.model.tokenizer)
-    workloads = workloads_of(args, tok, config.model.vocab_size)
+    workloads = workloads_of(args, config, tok)
     results = []
     if args.quantization_methods:
         from coreproc.config import ConfigError
@@ -310,7 +352,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.mode in ("inproc", "both"):
             results += run_inproc(config, workloads)
         if args.mode in ("multiproc", "both"):
-            results += run_multiproc(config, workloads)
+            results += run_multiproc(config, [w for w in workloads if not w.loras])  # (in-process only)
     print_report(args, config, results)
     if args.result_json:
         with open(args.result_json, "w") as f:

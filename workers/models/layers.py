@@ -27,6 +27,8 @@ WeightLoader = Callable[[torch.Tensor, torch.Tensor, Any], None]
 """weight_loader(param, checkpoint tensor, shard): copy this rank's slice of the tensor into param."""
 
 WEIGHT_LOADER = "weight_loader"  # the attribute of each parameter that workers/loader.py calls
+# adds a LoRA delta to a projection's output: (input, output) -> output (workers/lora.py's LoRALayer)
+LoRAHook = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def attach_weight_loader(param: torch.Tensor, loader: WeightLoader) -> None:
@@ -55,8 +57,10 @@ class ColumnLinear(QuantLayer):
     """y = x @ W.T (+ b) with the output dimension split across TP ranks.
 
     `out_sizes` lists the stacked sub-projections (e.g. q, k, v); shard `i` of the checkpoint lands
-    at its offset inside this rank's slice.
+    at its offset inside this rank's slice. `lora`, when adapters are served, adds their deltas.
     """
+
+    lora: LoRAHook | None = None
 
     def __init__(
         self,
@@ -87,11 +91,15 @@ class ColumnLinear(QuantLayer):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant.apply(self, x, self.bias)
+        y = self.quant.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
 
 class RowLinear(QuantLayer):
-    """y = x @ W.T (+ b) with the input dimension split across TP ranks; partial sums are all-reduced."""
+    """y = x @ W.T (+ b) with the input dimension split across TP ranks; partial sums are all-reduced
+    (a LoRA delta, computed from this rank's input columns, before the reduction)."""
+
+    lora: LoRAHook | None = None
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool, tp: TPGroup, quant: QuantMethod | None = None
@@ -113,7 +121,8 @@ class RowLinear(QuantLayer):
         param.data.copy_(loaded.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.quant.apply(self, x))
+        y = self.quant.apply(self, x)
+        y = self.tp.all_reduce(y if self.lora is None else self.lora(x, y))
         return y if self.bias is None else y + self.bias
 
 
