@@ -145,6 +145,7 @@ def create(
             host=args.host,
             port=args.port,
             mode="mapped" if weights == "mapped" else "full",
+            adapters={name: model_files(path) for name, path in config.lora.modules()},
         )
         write_manifest(root, manifest)
         env = {**os.environ, "XDG_RUNTIME_DIR": str(layout.runtime_base), "PYTHONUNBUFFERED": "1"}
@@ -269,6 +270,8 @@ def restore(
     problems += folder_changes(manifest.model)
     if manifest.weights is not None:
         problems += folder_changes(manifest.weights, "mapped weights")
+    for name, files in manifest.adapters.items():  # the image holds their weights as they were then
+        problems += folder_changes(files, f"LoRA adapter {name!r}")
     if problems:
         raise SnapshotError("the snapshot does not match this host: " + "; ".join(problems))
     host = host or manifest.host

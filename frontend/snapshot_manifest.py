@@ -81,6 +81,7 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     port: int
     mode: str = "full"  # "full": the weights are inside the image; "mapped": in weights/, mapped
     weights: ModelFiles | None = None  # the mapped weights' folder ("mapped" mode)
+    adapters: dict[str, ModelFiles] = {}  # the LoRA adapters loaded at start (--lora-modules), by name
     runtime_dir: str = ""  # the engine's IPC directory, recreated before each restore
     canary: Canary | None = None
     init_seconds: float = 0.0  # launch to parked (load, warm-up, canary)

@@ -311,3 +311,18 @@ def test_dump_problems_names_io_uring_and_external_tcp() -> None:
     assert any(f"-> 0100007F:{port:04X} leaves the process tree" in p for p in problems), problems
     # reported exactly when the process holds one (libuv opens it on kernels that have io_uring)
     assert any("io_uring descriptor" in p for p in problems) == ("anon_inode:[io_uring]" in fds)
+
+
+def test_restore_refuses_a_changed_adapter(made: tuple[Path, FakeTools], tmp_path: Path) -> None:
+    """The image holds the adapters of --lora-modules as they were: a changed folder refuses the restore."""
+    from frontend.snapshot_manifest import model_files
+
+    root, tools = made
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"weights")
+    _edit_manifest(root, adapters={"a": model_files(str(adapter))})
+    (adapter / "adapter_model.safetensors").write_bytes(b"other weights")
+    with pytest.raises(SnapshotError, match="LoRA adapter 'a': the content of .* changed"):
+        snapshot.restore(root, tools, port=0)
+    assert tools.restored == []
