@@ -184,20 +184,20 @@ def test_refusals(base: Path, adapters: dict[str, Path], tmp_path: Path) -> None
 
 @pytest.mark.real
 def test_real_smollm2_with_mixed_adapters_equals_peft(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The real SmolLM2-135M: two adapters (attention r8; everything r16, rsLoRA) and the base, in one
-    batch, each prompt's greedy tokens equal to PeftModel's."""
+    """The real SmolLM2-135M: the four adapters of ADAPTERS and the base, in one batch, each prompt's
+    greedy tokens equal to PeftModel's."""
     from tools.real_models import prepare
 
     smollm2 = prepare("smollm2")["hf-v5"]
     root = tmp_path_factory.mktemp("smollm2-adapters")
     made = {
-        "attn": make_adapter(smollm2, root / "attn", 8, ATTENTION, seed=1),
-        "all": make_adapter(smollm2, root / "all", 16, EVERYTHING, seed=2, rslora=True),
+        name: make_adapter(smollm2, root / name, rank, targets, seed, rslora)
+        for seed, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items())
     }
     with engine(smollm2, made, max_model_len=512) as llm:
         tok = llm.get_tokenizer()
         texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-        jobs = [(tok(t).input_ids, name) for t in texts for name in (None, "attn", "all")]
+        jobs = [(tok(t).input_ids, name) for t in texts for name in (None, *made)]
         outs = llm.generate([p for p, _ in jobs], GREEDY, use_tqdm=False, lora_request=[n for _, n in jobs])
         for (p, name), out in zip(jobs, outs):
             assert out.outputs[0].token_ids == peft_greedy(
@@ -241,3 +241,19 @@ def test_adapters_with_speculation_structured_outputs_and_a_quantized_base(
         adapted = llm.generate(ps, GREEDY, use_tqdm=False, lora_request="all-r8")
         plain = llm.generate(ps, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in adapted] != [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_draft_model_speculates_without_the_adapter(tmp_path: Path) -> None:
+    """The bundled model and its draft: the target verifies with the adapter, the draft proposes
+    without it, and the greedy tokens stay PEFT's."""
+    from coreproc.host import default_draft_dir, default_model_dir
+
+    target = default_model_dir()
+    adapter = make_adapter(target, tmp_path / "a", 8, EVERYTHING, seed=21)
+    spec = {"method": "draft_model", "model": str(default_draft_dir()), "num_speculative_tokens": 3}
+    with engine(target, {"a": adapter}, speculative_config=spec) as llm:
+        ps = prompts(llm)
+        outs = llm.generate(ps, GREEDY, use_tqdm=False, lora_request="a")
+        for p, out in zip(ps, outs):
+            assert out.outputs[0].token_ids == peft_greedy(target, adapter, p)
+        assert llm.stats().spec_num_proposed > 0
