@@ -8,6 +8,7 @@ with prefix hits (and evictions under KV pressure) equal Hugging Face and the en
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -19,6 +20,7 @@ from hf_ref import check_logprobs_close, check_outputs_equal, hf_greedy
 from coreproc.config import ConfigError
 from coreproc.engine import EngineCore
 from coreproc.kv_cache import KVCacheManager
+from coreproc.lora import LoRAConfig
 from coreproc.protocol import (
     EngineRequest,
     InvalidParam,
@@ -108,7 +110,13 @@ def test_adapter_and_multimodal_requests_are_refused_with_the_parameter():
     sched = Scheduler(make_config(), num_kv_blocks=40)
     with pytest.raises(InvalidParam) as err:
         sched.add_request(request("l", lora=LoRARef("x", "/adapters/x")))
-    assert err.value.param == "lora" and "'x'" in str(err.value)
+    assert err.value.param == "lora" and "--enable-lora" in str(err.value)
+    serving = Scheduler(
+        dataclasses.replace(make_config(), lora=LoRAConfig(enable_lora=True)), num_kv_blocks=40
+    )
+    with pytest.raises(InvalidParam) as err:
+        serving.add_request(request("l", lora=LoRARef("x", "")))
+    assert err.value.param == "lora" and "no LoRA adapter named 'x'" in str(err.value)
     with pytest.raises(InvalidParam):
         sched.add_request(request("m", mm_refs=[MultiModalRef("h", 0, 4)]))
     assert not sched.requests
