@@ -282,13 +282,13 @@ class Scheduler:
                 new_blocks[req.request_id] += self._reserve_lookahead(req, n)
 
         admitted: list[Request] = []
-        adapters = {r.lora.name for r in self.running if r.lora is not None}
+        adapters = {r.lora.identity for r in self.running if r.lora is not None}  # weights, not names
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
             req = self.waiting.peek()
-            if req.lora is not None and req.lora.name not in adapters:
+            if req.lora is not None and req.lora.identity not in adapters:
                 if len(adapters) >= self.loras.max_loras:
                     break  # a step mixes at most --max-loras adapters; it waits for one to finish
-                adapters.add(req.lora.name)
+                adapters.add(req.lora.identity)
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = self._chunk(req, num_hit, budget, share)
             ids = self.kv.allocate_slots(req, n, hit_blocks) if n > 0 else None

@@ -257,3 +257,37 @@ def test_a_draft_model_speculates_without_the_adapter(tmp_path: Path) -> None:
         for p, out in zip(ps, outs):
             assert out.outputs[0].token_ids == peft_greedy(target, adapter, p)
         assert llm.stats().spec_num_proposed > 0
+
+
+def test_reloading_a_name_mid_run_keeps_each_request_on_its_weights(
+    base: Path, adapters: dict[str, Path]
+) -> None:
+    """One slot: a request runs on x's first weights while x is reloaded; the next request with x gets
+    the new weights only once the first has finished (two weights of one name never share a step)."""
+    from coreproc.protocol import EngineRequest, LoRARef
+
+    with engine(base, {"x": adapters["all-r8"]}, max_loras=1) as llm:
+        core = llm.engine
+        p1, p2 = prompts(llm)[:2]
+
+        def submit(rid: str, prompt: list[int]) -> None:
+            core.add_requests(
+                [
+                    EngineRequest(
+                        request_id=rid, prompt_token_ids=prompt, sampling_params=GREEDY, lora=LoRARef("x", "")
+                    )
+                ]
+            )
+
+        submit("old", p1)
+        tokens: dict[str, list[int]] = {"old": [], "new": []}
+        for out in core.step() + core.step():
+            tokens[out.request_id] += out.new_token_ids
+        llm.load_lora("x", str(adapters["out-r16"]))
+        submit("new", p2)
+        while core.has_unfinished_requests():
+            for out in core.step():
+                assert out.error is None, out.error
+                tokens[out.request_id] += out.new_token_ids
+        assert tokens["old"] == peft_greedy(base, adapters["all-r8"], p1)
+        assert tokens["new"] == peft_greedy(base, adapters["out-r16"], p2)
