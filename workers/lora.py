@@ -65,7 +65,12 @@ class LoRAManager:
     """The adapter slots of one model on one device."""
 
     def __init__(
-        self, model: LlamaForCausalLM, config: LoRAConfig, tp: TPGroup, device: torch.device
+        self,
+        model: LlamaForCausalLM,
+        config: LoRAConfig,
+        tp: TPGroup,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         self.config, self.tp, self.device = config, tp, device
         self.rank = config.max_lora_rank
@@ -73,7 +78,6 @@ class LoRAManager:
         self.layers: dict[tuple[int, str], tuple[LoRALayer, ColumnLinear | RowLinear]] = {}
         self.scales = torch.zeros(config.max_loras, dtype=torch.float32, device=device)
         op = None if device.type == "cpu" else select_lora_op(device)  # CPU: lora_add_runs_
-        dtype = model.model.embed_tokens.weight.dtype
         cfg = model.config
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads

@@ -137,7 +137,7 @@ class Worker:
         if self.config.lora.enable_lora:
             from workers.lora import LoRAManager  # (imports triton: only where adapters are served)
 
-            lora = LoRAManager(weights.model, self.config.lora, self.tp, self.device)
+            lora = LoRAManager(weights.model, self.config.lora, self.tp, self.device, self.dtype)
         draft_forward = self.pick_kernels(draft) if draft is not None else None
         memory = self.measure_memory(weights.model, draft)
         num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device)
