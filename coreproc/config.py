@@ -142,18 +142,50 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism (each worker gets its own copy with `rank` set) and this engine's DP place."""
+    """How the model is spread: tensor parallelism (each worker gets its own copy with `rank` set),
+    pipeline stages, data-parallel engines and how requests are routed among them, and which
+    distributed runtime places the workers (local processes, Ray, or several hosts)."""
 
     tensor_parallel_size: int = option("tensor-parallel workers", 1, short="-tp")
     rank: int = 0
-    data_parallel_size: int = option("data-parallel engines (preload daemons' layout)", 1, short="-dp")
-    data_parallel_rank: int = option("this engine's rank among data-parallel engines", 0)
+    pipeline_parallel_size: int = option("pipeline stages (the layers split among them)", 1, short="-pp")
+    pp_layer_partition: str | None = option(
+        "layers per pipeline stage, comma-separated (default: as even as possible)", None, metavar="N,N,..."
+    )
+    data_parallel_size: int = option(
+        "data-parallel engines, each with its own workers and KV cache, behind one frontend", 1, short="-dp"
+    )
+    data_parallel_rank: int = option("this engine's rank among data-parallel engines", 0, hidden=True)
+    dp_routing: Literal["least-loaded", "prefix"] = option(
+        "how a request picks its data-parallel engine: the least loaded, or the one holding its longest "
+        "cached prefix (then the least loaded)",
+        "least-loaded",
+    )
+    distributed_executor_backend: Literal["mp", "ray"] = option(
+        "mp: worker processes started here (and `ember worker --headless` on other nodes); "
+        "ray: workers as actors of a Ray cluster (pip install 'ember-serve[ray]')",
+        "mp",
+    )
+    placement_strategy: Literal["PACK", "SPREAD"] = option(
+        "with the ray backend: the placement group's strategy for the workers' bundles", "PACK"
+    )
+    nnodes: int = option("hosts the workers span (mp backend)", 1)
+    node_rank: int = option("this host's rank among --nnodes (0: the head, with the core)", 0)
+    master_addr: str | None = option("the head's address other nodes reach (multi-node)", None)
+    master_port: int | None = option("the head's rendezvous port (multi-node)", None)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ConfigError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ConfigError("data_parallel_rank must be in [0, data_parallel_size)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError("node_rank must be in [0, nnodes)")
+
+    @property
+    def world_size(self) -> int:
+        """Workers of one engine: every pipeline stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)

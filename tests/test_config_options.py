@@ -66,6 +66,15 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "tensor_parallel_size": ("2", 2),
     "data_parallel_size": ("2", 2),
     "data_parallel_rank": ("1", 1),
+    "pipeline_parallel_size": ("2", 2),
+    "pp_layer_partition": ("1,3", "1,3"),
+    "dp_routing": ("prefix", "prefix"),
+    "distributed_executor_backend": ("ray", "ray"),
+    "placement_strategy": ("SPREAD", "SPREAD"),
+    "nnodes": ("2", 2),
+    "node_rank": ("1", 1),
+    "master_addr": ("10.0.0.1", "10.0.0.1"),
+    "master_port": ("29511", 29511),
     "device": ("cpu", "cpu"),
     "attention_backend": ("triton", "triton"),
     "load_format": ("ipc_cache", "ipc_cache"),
@@ -126,6 +135,8 @@ def test_each_keyword_lands_in_its_field(keyword: str, monkeypatch: pytest.Monke
         monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "plugins"))
     if keyword == "data_parallel_rank":
         extra["data_parallel_size"] = 2
+    if keyword == "node_rank":
+        extra["nnodes"] = 2
     if keyword == "max_num_active_seqs":
         extra["max_num_seqs"] = 8
     if keyword == "lora_modules":

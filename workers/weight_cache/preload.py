@@ -46,7 +46,6 @@ class Placement:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help="checkpoint folder (default: bundled model)")
-    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="not supported: must be 1")
     p.add_argument("--draft-model", default=None, help="also hold this draft model's weights")
     p.add_argument("--health-port", type=int, default=None, help="serve GET /health on 127.0.0.1:PORT")
     p.add_argument("--wait", action="store_true", help="only wait until the daemons answer, then exit")
@@ -205,7 +204,7 @@ def serve_health(launcher: Launcher, port: int) -> None:
 def run(args: argparse.Namespace, config: EngineConfig, draft: EngineConfig | None) -> int:
     from setproctitle import setproctitle
 
-    if args.pipeline_parallel_size != 1:
+    if config.parallel.pipeline_parallel_size != 1:
         raise ConfigError(
             "ember preload does not support pipeline parallelism (--pipeline-parallel-size must be 1)"
         )
