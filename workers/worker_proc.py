@@ -35,8 +35,17 @@ log = logging.getLogger("ember.worker")
 PARENT_CHECK_MS = 500
 
 
-def init_tensor_parallel(config: EngineConfig, rank: int, runtime_dir: Path) -> TPGroup:
-    """Join the TP process group; a no-op group for a single rank."""
+def rendezvous(config: EngineConfig, runtime_dir: Path) -> str:
+    """Where the ranks of one engine meet: env:// when MASTER_ADDR is set, else a file in the launch's
+    private runtime directory (one host)."""
+    if os.environ.get("MASTER_ADDR"):
+        return "env://"
+    return f"file://{runtime_dir / 'tp-rendezvous'}"
+
+
+def init_tensor_parallel(config: EngineConfig, rank: int, init_method: str) -> TPGroup:
+    """Join the TP process group at `init_method` (a torch.distributed init URL); a no-op group for a
+    single rank."""
     size = config.parallel.tensor_parallel_size
     if size == 1:
         return TPGroup()
@@ -44,10 +53,6 @@ def init_tensor_parallel(config: EngineConfig, rank: int, runtime_dir: Path) -> 
     import torch.distributed as dist
 
     backend = "nccl" if config.device.resolved_type == "cuda" else "gloo"
-    if os.environ.get("MASTER_ADDR"):
-        init_method = "env://"
-    else:
-        init_method = f"file://{runtime_dir / 'tp-rendezvous'}"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
@@ -84,7 +89,7 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
             # ranks share the host's cores; oversubscribed OpenMP threads spin and stall each other
             cores = len(os.sched_getaffinity(0))
             torch.set_num_threads(max(1, cores // config.parallel.tensor_parallel_size))
-        tp = init_tensor_parallel(config, rank, Path(runtime_dir))
+        tp = init_tensor_parallel(config, rank, rendezvous(config, Path(runtime_dir)))
         cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
         worker = Worker(cfg, tp)
         sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
