@@ -181,11 +181,51 @@ class ParallelConfig:
             raise ConfigError("data_parallel_rank must be in [0, data_parallel_size)")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("node_rank must be in [0, nnodes)")
+        if self.pp_layer_partition is not None:
+            self._partition()  # well-formed here; against the model's layer count in `stage_layers`
 
     @property
     def world_size(self) -> int:
         """Workers of one engine: every pipeline stage's tensor-parallel ranks."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _partition(self) -> list[int]:
+        """`--pp-layer-partition` as layer counts, one positive count per stage."""
+        text = self.pp_layer_partition or ""
+        try:
+            counts = [int(part) for part in text.split(",")]
+        except ValueError:
+            raise ConfigError(
+                f"--pp-layer-partition must be comma-separated integers, got {text!r}"
+            ) from None
+        if len(counts) != self.pipeline_parallel_size:
+            raise ConfigError(
+                f"--pp-layer-partition {text!r} has {len(counts)} stages; "
+                f"--pipeline-parallel-size is {self.pipeline_parallel_size}"
+            )
+        if min(counts) < 1:
+            raise ConfigError(f"--pp-layer-partition {text!r}: every pipeline stage needs at least one layer")
+        return counts
+
+    def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
+        """The [start, end) layers of each pipeline stage: the partition given, or as even as possible,
+        the spare layers going to the stages before the last (which also runs the LM head)."""
+        pp = self.pipeline_parallel_size
+        if pp > num_layers:
+            raise ConfigError(f"--pipeline-parallel-size {pp} exceeds the model's {num_layers} layers")
+        if self.pp_layer_partition is not None:
+            counts = self._partition()
+            if sum(counts) != num_layers:
+                raise ConfigError(
+                    f"--pp-layer-partition {self.pp_layer_partition!r} covers {sum(counts)} layers; "
+                    f"the model has {num_layers}"
+                )
+        else:
+            counts = [num_layers // pp] * pp
+            for stage in range(num_layers % pp):
+                counts[pp - 2 - stage] += 1
+        starts = [sum(counts[:i]) for i in range(pp)]
+        return [(start, start + n) for start, n in zip(starts, counts)]
 
 
 @dataclass(frozen=True)
@@ -371,7 +411,7 @@ class EngineConfig:
             limits = RequestLimits.of(given).resolve(sched["max_num_seqs"], model_cfg.vocab_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return cls(
+        config = cls(
             model=model_cfg,
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**sched),
@@ -383,10 +423,30 @@ class EngineConfig:
             speculative=speculative,
             limits=limits,
         )
+        if config.parallel.pipeline_parallel_size > 1:
+            _check_pipeline(config)
+        return config
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.model.max_model_len // self.cache.block_size)
+
+
+def _check_pipeline(config: EngineConfig) -> None:
+    """Refuse, in one line each, what pipeline stages cannot serve in this version; check the layer
+    partition against the model."""
+    config.parallel.stage_layers(config.model.num_layers)
+    refused = [
+        (config.load.load_format == "ipc_cache", "the preload weight cache (--load-format ipc_cache)"),
+        (config.load.weights_file is not None, "a snapshot's weights file"),
+        (config.model.is_multimodal, "a vision-language model"),
+        (config.lora.enable_lora, "LoRA adapters (--enable-lora)"),
+        (config.speculative is not None and config.speculative.method == "draft_model", "a draft model"),
+        (config.cache.kv_cache_dtype != "auto", "an fp8 KV cache (its scales come from a whole-model pass)"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(f"{what} does not support pipeline parallelism; use --pipeline-parallel-size 1")
 
 
 def _check_processors(flags: tuple[str, ...], model: ModelConfig) -> tuple[str, ...]:

@@ -4,6 +4,8 @@ Runs in the scheduler process (or in-process under the offline `LLM` and batch m
 `EngineRequest`s and aborts, produces `EngineOutput`s. `step()` = schedule -> execute -> update.
 `step_overlapped()` keeps one step in flight: it schedules step N+1 while the workers run step N
 (tokens being sampled are held as placeholders), which hides the scheduler's work behind the model's.
+With P pipeline stages both calls run `step_pipelined()`: up to P micro-batches of disjoint requests in
+flight, so every stage has work while the others run theirs.
 The KV block count comes from the workers' `WorkerReady` messages, never from the config.
 Never stuck: steps that schedule nothing while work is queued fail that work, and `check_stall()`
 (the watchdog, called from the core loop, while waiting on workers and by `stats()`) reports work held
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 from coreproc.config import EngineConfig
@@ -38,7 +41,7 @@ class EngineCore:
         self.config = config
         self._runtime_dir: Path | None = None
         if executor is None:
-            if config.parallel.tensor_parallel_size > 1:
+            if config.parallel.world_size > 1:
                 self._runtime_dir = make_runtime_dir()
             try:
                 executor = make_executor(config, self._runtime_dir, show_progress)
@@ -50,6 +53,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, num_blocks)
         self._idle_steps = 0
         self._in_flight: SchedulerOutput | None = None
+        self.depth = config.parallel.pipeline_parallel_size  # micro-batches in flight at most
+        self._batches: deque[SchedulerOutput] = deque()  # pipeline micro-batches in flight, oldest first
+        self.max_steps_in_flight = 0
         self.last_step_end = time.monotonic()
         self._stall_reported = False
 
@@ -67,10 +73,12 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batches)
 
     def step(self) -> list[EngineOutput]:
         """Run one engine step; returns the outputs of every request that made progress."""
+        if self.depth > 1:
+            return self.step_pipelined()
         if self._in_flight is not None:
             return self.step_overlapped()
         if not self.scheduler.has_unfinished_requests():
@@ -81,6 +89,8 @@ class EngineCore:
 
     def step_overlapped(self) -> list[EngineOutput]:
         """Like `step`, but the next step is scheduled and submitted before this call returns."""
+        if self.depth > 1:
+            return self.step_pipelined()
         if self._in_flight is None:
             if not self.scheduler.has_unfinished_requests():
                 return []
@@ -93,6 +103,23 @@ class EngineCore:
             self.executor.submit(upcoming)
             self._in_flight = upcoming
         return outputs
+
+    def step_pipelined(self) -> list[EngineOutput]:
+        """Pipeline parallelism: submit a micro-batch of requests not already in flight while fewer than
+        `depth` are; once the queue is full or nothing more can be scheduled, finish the oldest. Returns
+        [] while it is still filling the queue."""
+        if len(self._batches) < self.depth and self.scheduler.has_unfinished_requests():
+            batch = self.scheduler.schedule()
+            # an empty step goes out only with ids the workers must forget, or to count as idle
+            if batch.total_num_scheduled_tokens or batch.finished_req_ids or not self._batches:
+                self.executor.submit(batch)
+                self._batches.append(batch)
+                self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._batches))
+                if batch.total_num_scheduled_tokens and len(self._batches) < self.depth:
+                    return []
+        if not self._batches:
+            return []
+        return self._finish(self._batches.popleft())
 
     def _finish(self, scheduler_output: SchedulerOutput) -> list[EngineOutput]:
         runner_output = self.executor.wait()
@@ -124,6 +151,7 @@ class EngineCore:
         the watchdog's verdict (`stalled`: a reason, or None)."""
         stats = self.scheduler.stats()
         stats.has_work = self.has_unfinished_requests()
+        stats.max_steps_in_flight = max(self.max_steps_in_flight, 1 if stats.num_steps else 0)
         stats.seconds_since_step = time.monotonic() - self.last_step_end
         stats.stalled = self.check_stall()
         return stats

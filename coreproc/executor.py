@@ -1,10 +1,11 @@
 """Executors fan one scheduler step out to the workers and gather what they return.
 
 Runs in the scheduler process. Both executors have the same calls: `submit(step)` starts a step and
-`wait()` returns its `RunnerOutput`, so the core can schedule step N+1 while step N runs.
-`InprocExecutor` holds one worker in this process (the offline engine, tests). `MultiprocExecutor`
-spawns one worker process per tensor-parallel rank, talks to them over a ZeroMQ ROUTER socket in the
-launch's private runtime directory, and notices a dead worker within a poll interval.
+`wait()` returns the oldest submitted step's `RunnerOutput`, so the core can schedule step N+1 while
+step N runs. `InprocExecutor` holds one worker in this process (the offline engine, tests).
+`MultiprocExecutor` spawns one worker process per rank (pipeline stage x tensor-parallel rank), talks
+to them over a ZeroMQ ROUTER socket in the launch's private runtime directory, keeps up to one step
+per pipeline stage in flight, and notices a dead worker within a poll interval.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import subprocess
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -84,10 +86,13 @@ class InprocExecutor:
 
 
 class MultiprocExecutor:
-    """One process per TP rank; every rank runs every step, rank 0 returns the tokens."""
+    """One process per rank; every rank runs every step, the last stage's TP rank 0 returns the tokens."""
 
     def __init__(self, config: EngineConfig, runtime_dir: Path, ready_timeout: float = 600.0) -> None:
-        self.size = config.parallel.tensor_parallel_size
+        par = config.parallel
+        self.size = par.world_size
+        self.depth = par.pipeline_parallel_size  # steps in flight at most
+        self.output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -101,7 +106,9 @@ class MultiprocExecutor:
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
         self.procs: list = []  # subprocess.Popen or spawn.ForkedProcess
         self._step = 0
-        self._pending = False
+        self._pending: deque[int] = deque()  # step ids submitted and not yet waited for, oldest first
+        self._done: dict[int, set[int]] = {}  # step id -> ranks that answered it
+        self._outputs: dict[int, RunnerOutput] = {}  # step id -> the output rank's answer
         config_json = msgspec.json.encode(config)
         try:
             for rank in range(self.size):
@@ -157,27 +164,30 @@ class MultiprocExecutor:
                 raise WorkerError(f"worker {rank} (pid {p.pid}) died with exit code {code}")
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
-        assert not self._pending, "submit() while a step is in flight"
+        assert len(self._pending) < self.depth, f"submit() with {self.depth} steps in flight"
         self._step += 1
         kind, body = self.codec.encode(StepRequest(self._step, scheduler_output))
         for identity in self.identities:
             self.sock.send_multipart([identity, kind, body], copy=False)
-        self._pending = True
+        self._pending.append(self._step)
+        self._done[self._step] = set()
 
     def wait(self) -> RunnerOutput:
+        """The oldest step's output, once every rank has answered it (later steps' answers that come
+        first are kept for their turn)."""
         assert self._pending, "wait() without submit()"
-        done: set[int] = set()
-        result = RunnerOutput()
-        while len(done) < self.size:
+        step = self._pending[0]
+        while len(self._done[step]) < self.size:
             msg = self._recv(POLL_MS)
             if msg is None and self._tick is not None:
                 self._tick()
-            if isinstance(msg, StepResult) and msg.step_id == self._step:
-                done.add(msg.rank)
-                if msg.rank == 0:
-                    result = msg.output
-        self._pending = False
-        return result
+            if isinstance(msg, StepResult) and msg.step_id in self._done:
+                self._done[msg.step_id].add(msg.rank)
+                if msg.rank == self.output_rank:
+                    self._outputs[msg.step_id] = msg.output
+        self._pending.popleft()
+        del self._done[step]
+        return self._outputs.pop(step, RunnerOutput())
 
     def shutdown(self) -> None:
         """Ask workers to exit, then make sure they did (no orphans)."""
@@ -203,8 +213,8 @@ def make_executor(
     config: EngineConfig, runtime_dir: Path | None = None, show_progress: bool = True
 ) -> Executor:
     """In-process for a single device, worker processes otherwise (or when a runtime dir is given)."""
-    if config.parallel.tensor_parallel_size == 1 and runtime_dir is None:
+    if config.parallel.world_size == 1 and runtime_dir is None:
         return InprocExecutor(config, show_progress)
     if runtime_dir is None:
-        raise ValueError("tensor parallelism needs worker processes and a runtime directory")
+        raise ValueError("tensor and pipeline parallelism need worker processes and a runtime directory")
     return MultiprocExecutor(config, runtime_dir)

@@ -239,11 +239,13 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A request the workers already hold: only the blocks added this step."""
+    """A request the workers already hold: only the blocks added this step (and, with pipeline stages,
+    the tokens sampled since it last ran, which only the last stage saw)."""
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = []
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -420,6 +422,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     spec_accepted_per_position: list[int] = []  # accepted tokens by position in the proposal
     spec_proposed_per_position: list[int] = []  # proposed tokens by position in the proposal
     has_work: bool = False  # requests queued, running or in flight
+    max_steps_in_flight: int = 0  # most steps submitted at once (pipeline stages: up to the stage count)
     seconds_since_step: float = 0.0  # since the last step finished
     stalled: str | None = None  # the watchdog's verdict (`--stall-timeout`): why the engine is stuck
 

@@ -12,6 +12,8 @@ that holds none. New requests beyond `max_num_queued_*` raise `QueueFull`.
 With speculative decoding, a decoding request also carries proposed tokens
 (`SchedulerOutput.spec_token_ids`); blocks and computed tokens cover them until the workers report
 how many were kept, and the rest are rolled back; `coreproc/spec_control.py` chooses the proposals.
+With pipeline stages, requests in a step still in flight are left alone and steps are micro-batches
+(`coreproc/micro_batches.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from coreproc.config import EngineConfig
 from coreproc.kv_cache import KVCacheManager
 from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
 from coreproc.lora_registry import LoRARegistry
+from coreproc.micro_batches import MicroBatches
 from coreproc.mm_store import MediaStore
 from coreproc.protocol import (
     CachedRequestData,
@@ -67,6 +70,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._forget: list[str] = []  # requests workers must drop at the next step
         self._arrivals = 0
+        self.micro = MicroBatches(config.parallel.pipeline_parallel_size)
         self.spec = config.speculative
         self.speculation = None if self.spec is None else SpecControl(self.spec, self.max_model_len)
         self.lookahead = 0 if self.speculation is None else self.speculation.lookahead
@@ -147,9 +151,10 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def _victim(self) -> Request:
+        candidates = [r for r in self.running if not self.micro.busy(r)]
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time, r.arrival_seq))
-        return self.running[-1]
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time, r.arrival_seq))
+        return candidates[-1]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -248,11 +253,12 @@ class Scheduler:
         preempted = False
         share = self._prefill_share()
         spec_tokens: dict[str, list[int]] = {}
+        most = self.micro.step_seqs(len(self.running) + len(self.waiting))
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < most:
             req = self.running[i]
-            n = self._chunk(req, req.num_computed_tokens, budget, share)
+            n = 0 if self.micro.busy(req) else self._chunk(req, req.num_computed_tokens, budget, share)
             if n == 0:
                 i += 1
                 continue
@@ -283,7 +289,13 @@ class Scheduler:
 
         admitted: list[Request] = []
         adapters = {r.lora.identity for r in self.running if r.lora is not None}  # weights, not names
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_running
+            and len(scheduled) < most
+        ):
             req = self.waiting.peek()
             if req.lora is not None and req.lora.identity not in adapters:
                 if len(adapters) >= self.loras.max_loras:
@@ -320,7 +332,12 @@ class Scheduler:
                 continue
             if req.in_workers:
                 out.cached_requests.append(
-                    CachedRequestData(req.request_id, new_blocks[req.request_id], req.num_computed_tokens)
+                    CachedRequestData(
+                        req.request_id,
+                        new_blocks[req.request_id],
+                        req.num_computed_tokens,
+                        self.micro.new_tokens(req),
+                    )
                 )
             else:
                 out.new_requests.append(
@@ -337,6 +354,7 @@ class Scheduler:
                     )
                 )
                 req.in_workers = True
+                self.micro.sent_in_full(req)
                 if req.proposal_length is not None:
                     req.proposal_length.drafted = 0  # fresh worker state: the draft's KV holds none of it
             num_spec = len(spec_tokens.get(req.request_id, ()))
@@ -348,6 +366,7 @@ class Scheduler:
         if drafting and self.speculation is not None:
             plain = out.total_num_scheduled_tokens - sum(len(t) for t in spec_tokens.values())
             self.speculation.plan(drafting, plain, out.draft_lengths)
+        self.micro.started(out)
         self.num_steps += 1
         return out
 
@@ -370,6 +389,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.kv.free(req)
+        self.micro.forget(req)
         if req.in_workers:
             self._forget.append(req.request_id)
             req.in_workers = False
@@ -385,6 +405,7 @@ class Scheduler:
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
         start = time.perf_counter()
+        self.micro.done(sched)
         self.worker_busy_seconds += out.execute_seconds
         self.structured_seconds += out.structured_seconds
         self.encoder_hits += out.encoder_hits

@@ -29,7 +29,7 @@ from workers.gguf_weights import GGUFTensor, iter_gguf
 from workers.models import resolve
 from workers.models.layers import LMHead, VocabEmbedding, weight_loader_of
 from workers.models.llama import LlamaForCausalLM
-from workers.parallel import TPGroup
+from workers.parallel import PPGroup, TPGroup
 from workers.quant import make_method
 
 
@@ -94,6 +94,7 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
     renames = getattr(model, "checkpoint_renames", ())
     stacked = getattr(model, "stacked_params", ())
     ignored = getattr(model, "ignored_suffixes", ())
+    elsewhere = getattr(model, "missing_prefixes", ())  # another pipeline stage's tensors
     tied = getattr(model, "tie_word_embeddings", False)
     seen: dict[str, set] = {}
     # a parameter's modules (a tied head shares the embedding's): those whose method repacks GGUF
@@ -109,7 +110,11 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
         for file, name, tensor in tensors:
             bar.update(1)
             target, shard = renamed(name, renames), None
-            if target.endswith(ignored) or (tied and target == "lm_head.weight"):
+            if (
+                target.endswith(ignored)
+                or (tied and target == "lm_head.weight")
+                or target.startswith(elsewhere)
+            ):
                 continue
             for param_name, ckpt_name, shard_id in stacked:
                 if f".{ckpt_name}." in target:
@@ -249,13 +254,15 @@ def construct(
     max_positions: int,
     quantization: str | None = None,
     kernel: str = "torch",
+    pp: PPGroup | None = None,
 ) -> LlamaForCausalLM:
-    """The architecture's module tree on `device` (the meta device builds it without memory)."""
+    """The architecture's module tree on `device` (the meta device builds it without memory); with
+    `pp`, only that pipeline stage's part."""
     hf_config = read_hf_config(model_dir)
     cls = resolve(architecture)
     method = make_method(quantization, kernel, gguf=is_gguf(model_dir))
     with torch.device(device), default_dtype(dtype):
-        return cls(hf_config, tp, backend, max_positions, quant=method)
+        return cls(hf_config, tp, backend, max_positions, quant=method, pp=pp)
 
 
 def build_model(
@@ -269,12 +276,14 @@ def build_model(
     quantization: str | None = None,
     show_progress: bool = True,
     kernel: str = "torch",
+    pp: PPGroup | None = None,
 ) -> tuple[LlamaForCausalLM, float, float]:
-    """Instantiate the architecture on `device` in `dtype`, load its weights and quantize them.
+    """Instantiate the architecture (or one pipeline stage of it) on `device` in `dtype`, load its
+    weights and quantize them.
 
     Returns (model, seconds loading, seconds in the quantization pass)."""
     start = time.perf_counter()
-    args = (model_dir, architecture, dtype, device, tp, backend, max_positions, quantization, kernel)
+    args = (model_dir, architecture, dtype, device, tp, backend, max_positions, quantization, kernel, pp)
     model = construct(*args)
     load_weights(model, checkpoint_files(Path(model_dir)), show_progress)
     model.eval()

@@ -2,7 +2,8 @@
 
 Runs in each worker process (in-process for the offline engine). It keeps a per-request state table
 updated from `SchedulerOutput` diffs (new requests in full, then new blocks only) and appends the
-tokens it samples itself, so token ids never need to travel back from the scheduler. The batch is
+tokens it samples itself, so token ids never need to travel back from the scheduler (except to the
+pipeline stages before the last, which sample nothing: the diff carries them). The batch is
 flattened: decodes (one query token) first, then prefill chunks, in a single varlen forward over the
 paged KV cache, through the forward the worker chose for the model (its modules, or the one-call
 decode layers of workers/models/fused_decode.py). Returns a `RunnerOutput`.
@@ -93,8 +94,12 @@ class ModelRunner:
         structured: StructuredOutputs | None = None,
         encoder_cache: EncoderCache | None = None,
         lora: LoRAManager | None = None,
+        samples: bool = True,
     ) -> None:
         self.model = model
+        # False on pipeline stages before the last: they run their layers and hand the hidden states on
+        # (in `forward`); the scheduler tells them the tokens the last stage sampled
+        self.samples = samples
         self.encoder_cache = encoder_cache  # a vision-language model's: encoder outputs by image hash
         self.lora = lora  # LoRA adapter slots (--enable-lora)
         # what runs the step: `model` itself, or its one-call decode layers (fused_decode.select_forward)
@@ -128,6 +133,8 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if not self.samples:
+                state.output_ids.extend(cached.new_token_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -167,6 +174,8 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
         else:
             hidden = self.forward(ids_t, pos_t, self.kv_caches, meta)
+        if not self.samples:
+            return RunnerOutput(forward_seconds=time.perf_counter() - began)
         ends = meta.query_start_loc_cpu[1:]
         # a request samples when its chunk reaches its last token: one row for that position, plus one
         # per proposed token (verification); row j sees the output as if proposals < j were accepted

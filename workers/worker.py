@@ -4,7 +4,7 @@ Runs in a worker process (or inside the offline engine's process). Start-up (`lo
 the device, attention backend and ops -> `load_weights` (and `load_draft`) -> `pick_kernels` ->
 `measure_memory` -> size (`plan_kv_blocks`) and `allocate_kv_cache` -> `build_processors` -> the
 model runner; it reports `WorkerReady` (block count, bytes, load time). Then `execute_model` serves
-each step.
+each step. A pipeline stage loads and caches only its layers and samples only on the last stage.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from workers.models.fused_decode import Forward, select_forward
 from workers.models.layers import kv_bytes_per_token
 from workers.models.llama import LlamaForCausalLM
 from workers.models.ops import install_ops, select_ops
-from workers.parallel import TPGroup
+from workers.parallel import PPGroup, TPGroup
+from workers.pipeline import StageForward
 from workers.structured import StructuredOutputs
 
 log = logging.getLogger("ember.worker")
@@ -110,14 +111,16 @@ class MemoryUsage:
 class Worker:
     """Builds everything a device needs, then executes scheduler steps."""
 
-    def __init__(self, config: EngineConfig, tp: TPGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup | None = None, pp: PPGroup | None = None) -> None:
         self.config = config
         self.tp = tp or TPGroup()
+        self.pp = pp or PPGroup()
+        self.rank = self.pp.stage * self.tp.size + self.tp.rank  # among the engine's workers
         self.device = torch.device(config.device.resolved)
         if self.device.type == "cuda" and _index(self.device) is None:
             from workers.weight_cache.fingerprint import device_index
 
-            self.device = torch.device("cuda", device_index(config, self.tp.rank))
+            self.device = torch.device("cuda", device_index(config, self.rank))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, config.model.dtype)
@@ -127,6 +130,11 @@ class Worker:
         self.linear_kernel = select_linear_kernel(self.device, self.dtype)
         self.bf16_layout = bf16_layout(self.device) if self.linear_kernel == "cpu_bf16" else ""
         self.runner: ModelRunner | None = None
+
+    @property
+    def returns_tokens(self) -> bool:
+        """Whether this worker's step results carry the sampled tokens (the last stage's TP rank 0)."""
+        return self.pp.is_last and self.tp.rank == 0
 
     def load(self, show_progress: bool = True) -> WorkerReady:
         """Start-up in named phases; returns what the core needs to know about this rank."""
@@ -142,7 +150,7 @@ class Worker:
         memory = self.measure_memory(weights.model, draft)
         num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device)
         start = time.perf_counter()
-        kv_caches = self.allocate_kv_cache(weights.model, self.config.model.num_layers, num_blocks)
+        kv_caches = self.allocate_kv_cache(weights.model, len(weights.model.held), num_blocks)
         self.calibrate(weights.model, kv_caches)
         self._log_start_up(weights, memory, num_blocks, time.perf_counter() - start)
         processors = self.build_processors()
@@ -167,9 +175,10 @@ class Worker:
             structured,
             images,
             lora,
+            samples=self.pp.is_last,
         )
         return WorkerReady(
-            rank=self.tp.rank,
+            rank=self.rank,
             num_kv_blocks=num_blocks,
             kv_bytes_per_block=memory.kv_bytes_per_block,
             weight_bytes=memory.weight_bytes,
@@ -201,6 +210,7 @@ class Worker:
                 cfg.model.quantization,
                 show_progress,
                 self.linear_kernel,
+                self.pp,
             )
         if cfg.load.weights_file and self.device.type == "cpu":
             from workers.weight_cache.arena import map_to_file
@@ -218,7 +228,7 @@ class Worker:
             # built by loader.construct, like a model from disk (the client's type says only nn.Module)
             model = cast(LlamaForCausalLM, load_from_cache(self.config, self.device, self.tp, self.backend))
         except CacheUnavailable as e:
-            log.warning("rank %d: ipc_cache: %s; loading from disk", self.tp.rank, e)
+            log.warning("rank %d: ipc_cache: %s; loading from disk", self.rank, e)
             return None, 0.0, str(e)
         return model, time.perf_counter() - start, ""
 
@@ -240,7 +250,7 @@ class Worker:
             show_progress,
             self.linear_kernel,
         )
-        log.info("rank %d: draft model %s loaded in %.2fs", self.tp.rank, d.model, seconds)
+        log.info("rank %d: draft model %s loaded in %.2fs", self.rank, d.model, seconds)
         return draft
 
     def _draft_config(self) -> tuple[SpeculativeConfig, ModelConfig]:
@@ -253,6 +263,8 @@ class Worker:
         """Install this worker's ops (native CPU ops or torch) on a loaded model and return what runs
         its steps: the one-call decode layers where every layer qualifies, else the model itself."""
         install_ops(model, self.ops)
+        if self.pp.size > 1:  # hidden states in from the previous stage, out to the next
+            return StageForward(model, self.pp, self.dtype)
         return select_forward(model)
 
     def measure_memory(self, model: LlamaForCausalLM, draft: LlamaForCausalLM | None) -> MemoryUsage:
@@ -262,13 +274,13 @@ class Worker:
         for p in itertools.chain(model.parameters(), draft.parameters() if draft is not None else ()):
             key = str(p.dtype).removeprefix("torch.")
             by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
-        per_block = self._kv_bytes_per_block(model, self.config.model.num_layers)
+        per_block = self._kv_bytes_per_block(model, len(model.held))
         if draft is not None:
             per_block += self._kv_bytes_per_block(draft, self._draft_config()[1].num_layers)
         return MemoryUsage(by_dtype, per_block)
 
     def _kv_bytes_per_block(self, model: LlamaForCausalLM, num_layers: int) -> int:
-        attn = model.model.layers[0].self_attn
+        attn = model.held_layers()[0].self_attn
         per_token = kv_bytes_per_token(num_layers, attn.num_kv_heads, attn.head_dim, self.kv_dtype)
         return per_token * self.config.cache.block_size
 
@@ -277,7 +289,7 @@ class Worker:
     ) -> list[torch.Tensor]:
         """KV tensors per layer; uninitialised on purpose: the kernels mask every slot beyond a sequence,
         and untouched host pages are never committed, so a large budget costs nothing until used."""
-        attn = model.model.layers[0].self_attn
+        attn = model.held_layers()[0].self_attn
         shape = (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
         return [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)]
 
@@ -288,7 +300,7 @@ class Worker:
             calibrate_kv_scales(
                 model, kv_caches, self.config.model.vocab_size, self.config.model.max_model_len
             )
-            log.info("rank %d: fp8 KV scales calibrated in %.2fs", self.tp.rank, time.perf_counter() - start)
+            log.info("rank %d: fp8 KV scales calibrated in %.2fs", self.rank, time.perf_counter() - start)
 
     def _log_start_up(
         self, weights: LoadedWeights, memory: MemoryUsage, num_blocks: int, kv_seconds: float
@@ -297,7 +309,7 @@ class Worker:
         log.info(
             "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB (%s) loaded in %.2fs, "
             "quantized (%s) in %.2fs; attention %s, linears %s",
-            self.tp.rank,
+            self.rank,
             num_blocks,
             num_blocks * memory.kv_bytes_per_block / 2**20,
             kv_seconds,

@@ -1,12 +1,13 @@
-"""Entry point of a worker process (`ember-worker-N`): one device, one tensor-parallel rank.
+"""Entry point of a worker process (`ember-worker-N`): one device, one rank (pipeline stage x TP rank).
 
 Started by the core's `MultiprocExecutor` as `python -m workers.worker_proc` with the engine config
-as JSON on stdin (no pickle, no re-import of the caller's main module). It joins the tensor-parallel group
+as JSON on stdin (no pickle, no re-import of the caller's main module). It joins the engine's process group
 (gloo on CPU, NCCL on CUDA; a file rendezvous in the launch's private runtime directory, or
 MASTER_ADDR/MASTER_PORT when set for multi-host), loads its shard of the model, sends `WorkerReady`,
-then runs every `StepRequest` it receives and answers `StepResult` (rank 0 carries the sampled tokens;
-other ranks answer empty so the core knows they finished). Any error is reported as `WorkerFailed`.
-It exits on `Shutdown`, or on its own when the core process disappears.
+then runs every `StepRequest` it receives and answers `StepResult` (the last stage's TP rank 0 carries
+the sampled tokens; other ranks answer empty so the core knows they finished). Pipeline stages pass
+hidden states to each other directly (workers/parallel.py `PPGroup`), not through the core. Any error
+is reported as `WorkerFailed`. It exits on `Shutdown`, or on its own when the core process disappears.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from coreproc.errors import EmberError
 from coreproc.ipc import Codec
 from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
 from coreproc.startup import boot
-from workers.parallel import TPGroup
+from workers.parallel import PPGroup, TPGroup
 
 log = logging.getLogger("ember.worker")
 
@@ -43,20 +44,46 @@ def rendezvous(config: EngineConfig, runtime_dir: Path) -> str:
     return f"file://{runtime_dir / 'tp-rendezvous'}"
 
 
-def init_tensor_parallel(config: EngineConfig, rank: int, init_method: str) -> TPGroup:
-    """Join the TP process group at `init_method` (a torch.distributed init URL); a no-op group for a
-    single rank."""
-    size = config.parallel.tensor_parallel_size
-    if size == 1:
-        return TPGroup()
+def worker_threads(config: EngineConfig) -> int:
+    """Torch threads of one CPU worker: the host's cores shared by the engine's workers."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores // config.parallel.world_size)
+
+
+def init_distributed(config: EngineConfig, rank: int, init_method: str) -> tuple[TPGroup, PPGroup]:
+    """Join the engine's process group at `init_method` (a torch.distributed init URL) as global rank
+    `rank` = stage * tensor_parallel_size + tp_rank, and return this rank's tensor-parallel group and
+    pipeline stage; no-op groups for a single worker. Every rank makes every stage's tensor-parallel
+    subgroup, in stage order, as torch.distributed requires."""
+    par = config.parallel
+    tp_size, world = par.tensor_parallel_size, par.world_size
+    stage, tp_rank = divmod(rank, tp_size)
+    start, end = par.stage_layers(config.model.num_layers)[stage]
+    pp = PPGroup(stage, par.pipeline_parallel_size, start, end, rank - tp_size, rank + tp_size)
+    if world == 1:
+        return TPGroup(), pp
     import torch
     import torch.distributed as dist
 
     backend = "nccl" if config.device.resolved_type == "cuda" else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
-    return TPGroup(rank=rank, size=size, group=dist.group.WORLD)
+        from workers.weight_cache.fingerprint import device_index
+
+        torch.cuda.set_device(device_index(config, rank))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    if par.pipeline_parallel_size == 1:
+        return TPGroup(rank=tp_rank, size=tp_size, group=dist.group.WORLD), pp
+    groups = [
+        dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(par.pipeline_parallel_size)
+    ]
+    tp = TPGroup(rank=tp_rank, size=tp_size, group=groups[stage]) if tp_size > 1 else TPGroup()
+    return tp, pp
+
+
+def init_tensor_parallel(config: EngineConfig, rank: int, init_method: str) -> TPGroup:
+    """Join the process group at `init_method` and return the tensor-parallel group (`init_distributed`
+    without the pipeline stage: for a single stage)."""
+    return init_distributed(config, rank, init_method)[0]
 
 
 def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str, parent_pid: int) -> None:
@@ -87,11 +114,10 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
             import torch
 
             # ranks share the host's cores; oversubscribed OpenMP threads spin and stall each other
-            cores = len(os.sched_getaffinity(0))
-            torch.set_num_threads(max(1, cores // config.parallel.tensor_parallel_size))
-        tp = init_tensor_parallel(config, rank, rendezvous(config, Path(runtime_dir)))
+            torch.set_num_threads(worker_threads(config))
+        tp, pp = init_distributed(config, rank, rendezvous(config, Path(runtime_dir)))
         cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
-        worker = Worker(cfg, tp)
+        worker = Worker(cfg, tp, pp)
         sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
         boot.settle()  # started by coreproc.startup.boot with the collector off
         empty = RunnerOutput()
@@ -107,7 +133,8 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
                 break
             assert isinstance(msg, StepRequest)
             output = worker.execute_model(msg.scheduler_output)
-            sock.send_multipart(codec.encode(StepResult(msg.step_id, rank, output if rank == 0 else empty)))
+            answer = output if worker.returns_tokens else empty
+            sock.send_multipart(codec.encode(StepResult(msg.step_id, rank, answer)))
     except Exception as e:  # report, then die: the core fails its requests loudly
         user = isinstance(e, EmberError)  # the core reports it in the user's words, once
         if not user:

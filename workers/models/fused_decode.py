@@ -168,6 +168,8 @@ class FusedDecode:
 def plan(model: LlamaForCausalLM) -> FusedDecode | None:
     """The one-call layers of a bf16 model when every layer qualifies, else None."""
     body = model.model
+    if model.pp.size > 1:  # a pipeline stage keeps the module path
+        return None
     dtype = body.embed_tokens.out_dtype
     if dtype != torch.bfloat16:
         return None

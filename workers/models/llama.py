@@ -5,11 +5,14 @@ q/k/v and gate/up are stacked into one projection each, mapped by `stacked_param
 class attributes (qkv bias, q/k norm, sliding window) instead of re-implementing layers. Which kernels
 run (the ops strategy, the one-call decode layers) is chosen by the worker after building.
 forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden]; compute_logits -> float32.
+A pipeline stage builds only its layers (the others are `StageMissing`, so names keep their indices),
+the embedding on the first stage and the final norm and LM head on the last (the embedding too when
+the head is tied to it); `missing_prefixes` tells the loader which checkpoint tensors another stage loads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, cast
 
 import torch
@@ -26,7 +29,7 @@ from workers.models.layers import (
     VocabEmbedding,
 )
 from workers.models.ops import OpModule
-from workers.parallel import TPGroup
+from workers.parallel import PPGroup, TPGroup
 from workers.quant.base import QuantMethod
 
 
@@ -105,6 +108,13 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class StageMissing(nn.Module):
+    """Stands in for a module another pipeline stage holds: no parameters, and never called."""
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        raise AssertionError("a module held by another pipeline stage was called")
+
+
 class DecoderLayers(Protocol):
     """How the model's nn.ModuleList of DecoderLayers reads (torch types its items as plain Modules)."""
 
@@ -118,11 +128,14 @@ class DecoderLayers(Protocol):
 class DecoderModel(nn.Module):
     layers: DecoderLayers
 
-    def __init__(self, cfg: Any, tp: TPGroup, layers: list[DecoderLayer]) -> None:
+    def __init__(
+        self, cfg: Any, tp: TPGroup, layers: Sequence[nn.Module], embed: bool = True, norm: bool = True
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        embedding = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if embed else StageMissing()
+        self.embed_tokens = cast(VocabEmbedding, embedding)
         self.layers = cast(DecoderLayers, nn.ModuleList(layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = cast(RMSNorm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if norm else StageMissing())
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,9 +162,12 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         max_positions: int,
         quant: QuantMethod | None = None,
+        pp: PPGroup | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
+        self.pp = pp or PPGroup()
+        held = self.pp.layers(cfg.num_hidden_layers)
         cfg_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = cfg_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = cfg_bias if self.o_bias is None else self.o_bias
@@ -174,13 +190,22 @@ class LlamaForCausalLM(nn.Module):
                 ),
                 quant,
             )
+            if i in held
+            else StageMissing()
             for i in range(cfg.num_hidden_layers)
         ]
-        self.model = DecoderModel(cfg, tp, layers)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        first, last = self.pp.is_first, self.pp.is_last
+        self.model = DecoderModel(cfg, tp, layers, first or (last and self.tie_word_embeddings), last)
+        self.held = held  # the decoder layers this stage computes
         head_quant = None if quant is None else quant.head_method()
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, head_quant)
-        if self.tie_word_embeddings:
+        head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, head_quant) if last else StageMissing()
+        self.lm_head = cast(LMHead, head)
+        missing = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers) if i not in held]
+        missing += [] if first or (last and self.tie_word_embeddings) else ["model.embed_tokens."]
+        missing += [] if last else ["model.norm.", "lm_head."]
+        self.missing_prefixes = tuple(missing)  # checkpoint tensors another pipeline stage loads
+        if self.tie_word_embeddings and last:
             # loaded once, with the embedding; a head method (the CPU fast path's packing) then makes
             # the head its own processed copy, since the embedding lookup needs the plain rows
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -203,11 +228,18 @@ class LlamaForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; `inputs_embeds` [T, hidden], when given,
-        replaces the token embeddings (a multimodal model's, with image features at its placeholders)."""
+        replaces the token embeddings (a multimodal model's, with image features at its placeholders; a
+        later pipeline stage's, the previous stage's output). A stage before the last returns its
+        last layer's output, without the norm. `kv_caches`: one per layer held."""
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.model.norm(x)
+        layers = self.model.layers
+        for i, kv_cache in zip(self.held, kv_caches, strict=True):
+            x = layers[i](positions, x, kv_cache, meta)
+        return self.model.norm(x) if self.pp.is_last else x
+
+    def held_layers(self) -> list[DecoderLayer]:
+        """The decoder layers this pipeline stage holds (every layer of a single stage), in order."""
+        return [self.model.layers[i] for i in self.held]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings [T, hidden] of `input_ids` [T]."""

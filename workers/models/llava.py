@@ -22,7 +22,7 @@ from kernels import AttentionBackend
 from workers.models import resolve
 from workers.models.layers import WEIGHT_LOADER, ColumnLinear, attach_weight_loader, default_weight_loader
 from workers.models.llama import LlamaForCausalLM
-from workers.parallel import TPGroup
+from workers.parallel import PPGroup, TPGroup
 from workers.quant.base import QuantMethod
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -199,8 +199,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         backend: AttentionBackend,
         max_positions: int,
         quant: QuantMethod | None = None,
+        pp: PPGroup | None = None,
     ) -> None:
-        super().__init__(hf_config.text_config, tp, backend, max_positions, quant)
+        super().__init__(hf_config.text_config, tp, backend, max_positions, quant, pp)
         if getattr(hf_config, "tie_word_embeddings", False) and not self.tie_word_embeddings:
             # transformers ties the head when either config says so (LlavaConfig's own flag, or the
             # text config's, which the text class followed)

@@ -62,11 +62,12 @@ def config_hash(model_dir: str) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
 
 
-def device_index(config: EngineConfig, tp_rank: int) -> int:
-    """The GPU of a rank: DP rank d, TP rank r -> d * tp_size + r (modulo the GPUs present)."""
+def device_index(config: EngineConfig, rank: int) -> int:
+    """The GPU of a worker: DP rank d, global rank g (stage * tp_size + TP rank) -> d * world_size + g
+    (modulo the GPUs present)."""
     import torch
 
-    placement = config.parallel.data_parallel_rank * config.parallel.tensor_parallel_size + tp_rank
+    placement = config.parallel.data_parallel_rank * config.parallel.world_size + rank
     return placement % max(1, torch.cuda.device_count())
 
 

@@ -75,7 +75,7 @@ def placements(config: EngineConfig, draft: EngineConfig | None, directory: Path
                     cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_rank=dp_rank)
                 )
                 device = cfg.device.resolved_type
-                index = _cuda_index(dp_rank * par.tensor_parallel_size + tp_rank) if device == "cuda" else 0
+                index = _cuda_index(dp_rank * par.world_size + tp_rank) if device == "cuda" else 0
                 ident = device_identity(device, index)
                 out.append(
                     Placement(role, ranked, tp_rank, socket_path(directory, ident, dp_rank, tp_rank, role))
