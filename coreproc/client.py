@@ -18,9 +18,9 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -48,6 +48,9 @@ from coreproc.protocol import (
     UtilityMethod,
     UtilityResult,
 )
+
+if TYPE_CHECKING:
+    from coreproc.dp_client import DPEngineClient
 
 
 class EngineDeadError(RuntimeError):
@@ -110,6 +113,31 @@ class _Stream:
         if isinstance(item, EngineOutput):
             self.buffered -= len(item.new_token_ids)
         return item
+
+
+def make_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams | None = None,
+    *,
+    request_id: str | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    eos_token_ids: list[int] | None = None,
+    mm_refs: list[MultiModalRef] | None = None,
+    lora: str | None = None,
+) -> EngineRequest:
+    """One sequence's `EngineRequest` (see `AsyncEngineClient.generate` for the arguments)."""
+    return EngineRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=params or SamplingParams(),
+        eos_token_ids=eos_token_ids or [],
+        arrival_time=time.time(),
+        priority=priority,
+        cache_salt=cache_salt,
+        lora=None if lora is None else LoRARef(lora, ""),
+        mm_refs=mm_refs or [],
+    )
 
 
 class AsyncEngineClient:
@@ -281,16 +309,15 @@ class AsyncEngineClient:
         fails with the refusal), before any token. `mm_refs`: its images, placeholders already in the
         prompt (`coreproc.text.media.MediaIntake` builds both from image files or URLs). `lora`: the
         name of a loaded adapter to run with (`load_lora`, `--lora-modules`); None: the base model."""
-        request = EngineRequest(
-            request_id=request_id or uuid.uuid4().hex,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=params or SamplingParams(),
-            eos_token_ids=eos_token_ids or [],
-            arrival_time=time.time(),
+        request = make_request(
+            prompt_token_ids,
+            params,
+            request_id=request_id,
             priority=priority,
             cache_salt=cache_salt,
-            lora=None if lora is None else LoRARef(lora, ""),
-            mm_refs=mm_refs or [],
+            eos_token_ids=eos_token_ids,
+            mm_refs=mm_refs,
+            lora=lora,
         )
         async for out in self.generate_many([request], admitted=admitted):
             yield out
@@ -301,7 +328,7 @@ class AsyncEngineClient:
         *,
         admitted: asyncio.Future | None = None,
         max_buffered_tokens: int | None = None,
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Submit several requests as one unit (the sequences of one API request: admitted together or
         refused together) and stream their outputs merged, in arrival order, until all have finished.
 
@@ -402,15 +429,22 @@ class AsyncEngineClient:
 class EngineClient:
     """Blocking client: the same calls as `AsyncEngineClient`, on a private event-loop thread."""
 
-    def __init__(self, address: str, *, timeout: float = 30.0, **keys: Any) -> None:
+    def __init__(self, address: str | Sequence[str], *, timeout: float = 30.0, **keys: Any) -> None:
+        """`address`: one core's, or a list of data-parallel cores' (`ember core -dp D` prints them;
+        requests are routed among them, `routing=` "least-loaded" or "prefix")."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="ember-client", daemon=True)
         self._thread.start()
         self._pumps: set = set()
         try:
-            self._client: AsyncEngineClient = self._run(
-                AsyncEngineClient.connect(address, timeout=timeout, **keys)
-            )
+            connect: Coroutine[Any, Any, AsyncEngineClient | DPEngineClient]
+            if isinstance(address, str):
+                connect = AsyncEngineClient.connect(address, timeout=timeout, **keys)
+            else:
+                from coreproc.dp_client import DPEngineClient
+
+                connect = DPEngineClient.connect(address, timeout=timeout, **keys)
+            self._client: AsyncEngineClient | DPEngineClient = self._run(connect)
         except BaseException:
             self._stop_loop()
             raise

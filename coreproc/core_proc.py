@@ -130,6 +130,10 @@ class CoreServer:
             mm_cache_bytes=cfg.cache.mm_cache_bytes,
             lora_enabled=cfg.lora.enable_lora,
             loras={name: a.path for name, a in self.engine.scheduler.loras.adapters.items()},
+            data_parallel_rank=cfg.parallel.data_parallel_rank,
+            data_parallel_size=cfg.parallel.data_parallel_size,
+            dp_routing=cfg.parallel.dp_routing,
+            max_num_seqs=cfg.scheduler.max_num_seqs,
         )
 
     def load_lora(self, lora_name: str, lora_path: str) -> dict[str, object]:
@@ -358,7 +362,8 @@ def run_core_process(
     """Become `ember-core`: build the engine, report readiness (or the error), serve until stopped."""
     from setproctitle import setproctitle
 
-    setproctitle("ember-core")
+    dp = config.parallel
+    setproctitle("ember-core" if dp.data_parallel_size == 1 else f"ember-core-dp{dp.data_parallel_rank}")
     report = None
     if ready_endpoint is not None:
         report_ctx = zmq.Context()

@@ -1,13 +1,14 @@
 """The OpenAI-compatible HTTP server: a Starlette app under uvicorn + uvloop (`ember serve`).
 
-Runs in the frontend process; the engine runs in an `ember-core` child (and its workers), reached
-through the same `AsyncEngineClient` as the SDK. Routes: /v1/completions, /v1/chat/completions,
-/v1/models, /tokenize, /detokenize, /version, /health (alive *and* making progress), /ready,
-/metrics (Prometheus) and /openapi.json; with --enable-lora-runtime-updates also
-/v1/load_lora_adapter and /v1/unload_lora_adapter (without it they do not exist: 404). A request's
-model is the served model or a loaded LoRA adapter (the frontend's list, from the core's info and the
-results of those two routes). Middleware: body size limit (413), API key on /v1 (401), CORS. Every
-error body is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+Runs in the frontend process; the engine runs in `ember-core` children (one per data-parallel rank, each
+with its workers), reached through the same `DPEngineClient` as the SDK, which routes each request to
+one core. /health and /metrics cover every core (`engine` label: the core's rank). Routes:
+/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /version, /health (alive
+*and* making progress), /ready, /metrics (Prometheus) and /openapi.json; with
+--enable-lora-runtime-updates also /v1/load_lora_adapter and /v1/unload_lora_adapter (without it they do
+not exist: 404). A request's model is the served model or a loaded LoRA adapter (the frontend's list,
+from the core's info and the results of those two routes). Middleware: body size limit (413), API key on
+/v1 (401), CORS. Every error body is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from coreproc.client import EngineDeadError, EngineRequestError
+from coreproc.dp_client import DPEngineClient
 from coreproc.host import engine_version
 from coreproc.limits import RequestLimits
 from coreproc.protocol import SchedulerStats
@@ -117,14 +119,14 @@ class Api:
     """Route handlers over one `ServingContext` (created when the app starts)."""
 
     def __init__(
-        self, address: str, model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
+        self, addresses: list[str], model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
     ) -> None:
-        self.address, self.model_dir, self.cfg = address, model_dir, cfg
+        self.addresses, self.model_dir, self.cfg = addresses, model_dir, cfg
         self.tokenizer = tokenizer
         self.model_name = cfg.served_model_name or Path(model_dir).name
         self.accepted = {self.model_name, model_dir, str(Path(model_dir).resolve())}
         self.ctx: ServingContext | None = None
-        self.stats = SchedulerStats()  # the core's, refreshed every STATS_INTERVAL_S
+        self.stats: dict[int, SchedulerStats | str] = {}  # each core's (or why it is gone), every second
         self.stats_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -133,7 +135,7 @@ class Api:
     async def lifespan(self, app: Starlette):
         from coreproc.text.tokenizer import load_tokenizer
 
-        client = await AsyncEngineClient.connect(self.address)
+        client = await DPEngineClient.connect(self.addresses)
         template = self.cfg.chat_template
         if template is not None and Path(template).is_file():
             template = Path(template).read_text()
@@ -175,15 +177,19 @@ class Api:
                 await asyncio.to_thread(media.close)
 
     async def _poll_engine(self) -> None:
-        """Refresh engine stats (health, gauges) every second; notice a dead engine."""
+        """Refresh every core's stats (health, gauges, routing) every second; notice dead cores."""
         ctx = self.ctx
         while ctx.dead is None:
             try:
-                self.stats = await ctx.client.stats(timeout=5.0)
+                self.stats = await ctx.client.stats_by_rank(timeout=5.0)
                 self.stats_at = time.monotonic()
-                ctx.metrics.update_engine(self.stats)
+                for rank, stats in self.stats.items():
+                    if isinstance(stats, SchedulerStats):
+                        ctx.metrics.update_engine(stats, rank)
+                ctx.metrics.update_routed([e.routed for e in ctx.client.router.engines])
             except EngineDeadError:
-                ctx.dead = ctx.client.dead  # None if it was only slow to answer: keep watching
+                pass
+            ctx.dead = ctx.client.dead  # every core gone
             await asyncio.sleep(STATS_INTERVAL_S)
 
     # ------------------------------------------------------------------ helpers
@@ -367,10 +373,20 @@ class Api:
             return "starting"
         if ctx.dead is not None or ctx.client.dead is not None:
             return f"engine dead: {ctx.dead or ctx.client.dead}"
+        dead = ctx.client.dead_ranks()  # some cores gone: the others serve, but say so
+        if dead:
+            return "; ".join(f"engine core {r} dead: {why}" for r, why in sorted(dead.items()))
         age = time.monotonic() - self.stats_at
         if age > 5 * STATS_INTERVAL_S + 5.0:
             return f"engine has not answered for {age:.0f}s"
-        return self.stats.stalled  # the core's watchdog (`--stall-timeout`)
+        stalled = [
+            (r, s.stalled) for r, s in self.stats.items() if isinstance(s, SchedulerStats) and s.stalled
+        ]
+        if not stalled:
+            return None
+        if ctx.client.size == 1:
+            return stalled[0][1]  # the core's watchdog (`--stall-timeout`)
+        return "; ".join(f"engine core {r}: {why}" for r, why in stalled)
 
     async def ready(self, request: Request) -> Response:
         if self.ctx is None or self.ctx.dead is not None or self.ctx.client.dead is not None:
@@ -408,11 +424,11 @@ async def not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    address: str, model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
+    addresses: list[str], model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
 ) -> Starlette:
-    """The ASGI app for an engine core listening at `address` (the tokenizer loads at start-up unless
-    given)."""
-    api = Api(address, model_dir, cfg, tokenizer)
+    """The ASGI app for the engine cores listening at `addresses` (one per data-parallel rank; the
+    tokenizer loads at start-up unless given)."""
+    api = Api(addresses, model_dir, cfg, tokenizer)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

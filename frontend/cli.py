@@ -73,10 +73,20 @@ def cmd_core(args: argparse.Namespace) -> int:
     from coreproc.ipc import ipc_endpoint, make_runtime_dir, remove_runtime_dir
 
     config = EngineConfig.create(**engine_options(args))
+    keys = Path(args.curve_keys) if args.curve_keys else None
+    if config.parallel.data_parallel_size > 1:
+        from coreproc.startup.launcher import run_core_group
+
+        return run_core_group(
+            config,
+            args.listen,
+            curve_keys=keys,
+            shutdown_timeout=args.shutdown_timeout,
+            client_timeout=args.client_timeout,
+        )
     runtime_dir = make_runtime_dir()
     try:
         listen = args.listen or ipc_endpoint(runtime_dir, "core")
-        keys = Path(args.curve_keys) if args.curve_keys else None
         return run_core_process(
             config,
             listen,
@@ -208,7 +218,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
     core.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     core.add_argument(
-        "--listen", default=None, help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path)"
+        "--listen",
+        default=None,
+        help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path); with -dp D, D addresses "
+        "comma-separated, or one tcp://HOST:PORT (rank r on PORT + r)",
     )
     core.add_argument(
         "--curve-keys", default=None, help="directory from `ember keygen` (required off loopback)"

@@ -133,15 +133,25 @@ class EngineMetrics:
         self._spec_position = Gauge(
             "ember_spec_decode_acceptance_rate_per_position",
             "Speculative decoding: acceptance rate of the proposed token at each position.",
-            [*labels, "position"],
+            [*labels, "engine", "position"],
             registry=reg,
         )
+        engine = [*labels, "engine"]  # the engine core's data-parallel rank
         self._gauges = {
-            key: Gauge(name, doc, labels, registry=reg).labels(model_name)
-            for key, (name, doc) in _ENGINE_GAUGES.items()
+            key: Gauge(name, doc, engine, registry=reg) for key, (name, doc) in _ENGINE_GAUGES.items()
         }
-        self._mirrored = {key: counter(name, doc) for key, (name, doc) in _ENGINE_COUNTERS.items()}
-        self._last_cumulative = dict.fromkeys(_ENGINE_COUNTERS, 0.0)
+        self._mirrored = {
+            key: Counter(name, doc, engine, registry=reg) for key, (name, doc) in _ENGINE_COUNTERS.items()
+        }
+        self._routed = Counter(
+            "ember_engine_requests_routed",
+            "Requests (sequences) the frontend sent to each engine core (data parallelism).",
+            engine,
+            registry=reg,
+        )
+        for metric in (*self._gauges.values(), *self._mirrored.values(), self._routed):
+            metric.labels(model_name, "0")  # exported at zero before the first stats arrive
+        self._last_cumulative: dict[tuple[str, int], float] = {}
 
     def request_started(self) -> RequestTimer:
         """Call when a request is admitted; the timer starts now."""
@@ -158,23 +168,33 @@ class EngineMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
 
-    def update_engine(self, stats: SchedulerStats) -> None:
-        """Mirror the core's "stats" utility result.
+    def update_engine(self, stats: SchedulerStats, engine: int = 0) -> None:
+        """Mirror the "stats" utility result of engine core `engine` (its data-parallel rank).
 
         Cumulative engine counters are added by their increase since the last update. A value lower
         than the last one means the engine restarted from zero, so all of it is new.
         """
+        rank = str(engine)
         for key, gauge in self._gauges.items():
-            gauge.set(getattr(stats, key))
+            gauge.labels(self.model_name, rank).set(getattr(stats, key))
         positions = zip(stats.spec_accepted_per_position, stats.spec_proposed_per_position)
         for pos, (acc, prop) in enumerate(positions):
-            self._spec_position.labels(self.model_name, str(pos)).set(acc / prop if prop else 0.0)
+            self._spec_position.labels(self.model_name, rank, str(pos)).set(acc / prop if prop else 0.0)
         for key, counter in self._mirrored.items():
-            value, last = float(getattr(stats, key)), self._last_cumulative[key]
+            value, last = float(getattr(stats, key)), self._last_cumulative.get((key, engine), 0.0)
             delta = value - last if value >= last else value
             if delta > 0:
-                counter.inc(delta)
-            self._last_cumulative[key] = value
+                counter.labels(self.model_name, rank).inc(delta)
+            self._last_cumulative[key, engine] = value
+
+    def update_routed(self, routed: list[int]) -> None:
+        """Mirror the router's per-core count of requests sent (cumulative)."""
+        for rank, value in enumerate(routed):
+            series = self._routed.labels(self.model_name, str(rank))
+            last = self._last_cumulative.get(("routed", rank), 0.0)
+            if value > last:
+                series.inc(value - last)
+            self._last_cumulative["routed", rank] = value
 
     def render(self) -> tuple[bytes, str]:
         """The body and content type of a `GET /metrics` response (Prometheus text format)."""

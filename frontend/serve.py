@@ -56,18 +56,20 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def describe_engine(address: str) -> str:
-    """One line for the operator: model, weight memory by dtype, load and quantization time."""
+def describe_engine(addresses: list[str]) -> str:
+    """One line for the operator: model, weight memory by dtype, load and quantization time (and the
+    number of data-parallel engine cores)."""
     from coreproc.client import EngineClient
 
-    with EngineClient(address) as client:
+    with EngineClient(addresses[0]) as client:
         info = client.info_cache
     weights = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(info.weight_bytes_by_dtype.items()))
+    cores = f"; {len(addresses)} data-parallel engine cores ({info.dp_routing})" if len(addresses) > 1 else ""
     return (
         f"ember serve: {info.model} (quantization {info.quantization or 'none'}): weights {weights} "
         f"from {info.weight_source}; loaded in {info.load_seconds:.2f}s, "
         f"quantized in {info.quantize_seconds:.2f}s; "
-        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens"
+        f"{info.num_kv_blocks} KV blocks of {info.block_size} tokens{cores}"
     )
 
 
@@ -83,7 +85,7 @@ def prepare_http(tokenizer_dir: str) -> tuple[Any, Any, Any]:
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    from coreproc.startup.launcher import CoreProcess
+    from coreproc.startup.launcher import CoreGroup
 
     if args.snapshot_park:
         return run_parked(args, config, Path(args.snapshot_park))
@@ -92,10 +94,10 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     host, port = sock.getsockname()[:2]
     with ThreadPoolExecutor(1) as pool:
         prepared = pool.submit(prepare_http, config.model.tokenizer)
-        with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
+        with CoreGroup(config, shutdown_timeout=args.shutdown_timeout) as cores:
             uvicorn, build_app, tokenizer = prepared.result()
-            print(describe_engine(core.address), flush=True)
-            app = build_app(core.address, config.model.model, cfg, tokenizer)
+            print(describe_engine(cores.addresses), flush=True)
+            app = build_app(cores.addresses, config.model.model, cfg, tokenizer)
             level = logging.getLevelName(logging.getLogger().level).lower()
             server = uvicorn.Server(
                 uvicorn.Config(
@@ -116,8 +118,8 @@ def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> i
 
     cfg = server_config(args)
     with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
-        print(describe_engine(core.address), flush=True)
-        app = build_app(core.address, config.model.model, cfg)
+        print(describe_engine([core.address]), flush=True)
+        app = build_app([core.address], config.model.model, cfg)
         return asyncio.run(_parked(app, state, str(core.runtime_dir), args.shutdown_timeout))
 
 

@@ -1,15 +1,15 @@
 """Runs one OpenAI completion or chat request against the engine core and answers it.
 
 Runs in the HTTP server process (uvloop). A request's prompts x n sequences are submitted through the
-same `AsyncEngineClient` the SDK uses; their outputs are merged, detokenized and checked for stop
-strings by a per-request `OutputProcessor`, then sent as one JSON body or as SSE chunks
-(`data: {...}`, `data: [DONE]`). Leaving early (client disconnect, error) cancels the streams, which
-aborts the requests in the core. A request's sequences are submitted as one unit and admitted
-together before a stream starts, so refusals get their status code (400 invalid or never fitting, 503
-queue full or shutting down); an engine that dies later becomes a 503 or an SSE error event. A stream
-whose reader falls too far behind (`--max-stream-buffer-tokens`) or takes no data for
-`--stream-send-timeout` seconds is aborted, never buffered without bound. A chat's images are taken
-in (`render`: fetched on threads, decoded and processed in the `ember-media` processes) before its
+engine client the SDK uses (`DPEngineClient`, which picks the core); their outputs are merged,
+detokenized and checked for stop strings by a per-request `OutputProcessor`, then sent as one JSON body
+or as SSE chunks (`data: {...}`, `data: [DONE]`). Leaving early (client disconnect, error) cancels the
+streams, which aborts the requests in the core. A request's sequences are submitted as one unit and
+admitted together before a stream starts, so refusals get their status code (400 invalid or never
+fitting, 503 queue full or shutting down); an engine that dies later becomes a 503 or an SSE error
+event. A stream whose reader falls too far behind (`--max-stream-buffer-tokens`) or takes no data for
+`--stream-send-timeout` seconds is aborted, never buffered without bound. A chat's images are taken in
+(`render`: fetched on threads, decoded and processed in the `ember-media` processes) before its
 sequences are built; only the first sequence of a prompt carries their pixels. A request whose model is
 a LoRA adapter's name runs every sequence with it, and its responses name the adapter.
 """
@@ -29,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Send
 
-from coreproc.client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from coreproc.client import EngineDeadError, EngineRequestError
+from coreproc.dp_client import DPEngineClient
 from coreproc.limits import RequestLimits
 from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, FinishReason, LoRARef, SamplingParams
 from coreproc.text import openai_responses as oresp
@@ -55,7 +56,7 @@ log = logging.getLogger("ember.server")
 class ServingContext:
     """What every request handler needs; built once when the server starts."""
 
-    client: AsyncEngineClient
+    client: DPEngineClient  # one engine core, or several (data parallelism)
     tokenizer: Any
     info: EngineInfo
     model_name: str

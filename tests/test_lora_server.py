@@ -229,13 +229,13 @@ def test_lora_routes_only_with_the_flag_and_behind_the_api_key():
         "/v1/load_lora_adapter": {"lora_name": "x", "lora_path": "/nowhere"},
         "/v1/unload_lora_adapter": {"lora_name": "x"},
     }
-    off = TestClient(build_app("ipc:///nowhere", "/models/llama", ServerConfig()))
+    off = TestClient(build_app(["ipc:///nowhere"], "/models/llama", ServerConfig()))
     for route, body in bodies.items():
         answer = off.post(route, json=body)
         assert answer.status_code == 404 and answer.json()["error"]["message"] == f"no route {route}"
     assert "/v1/load_lora_adapter" not in off.get("/openapi.json").json()["paths"]
     cfg = ServerConfig(api_key="k", enable_lora_runtime_updates=True)
-    on = TestClient(build_app("ipc:///nowhere", "/models/llama", cfg))
+    on = TestClient(build_app(["ipc:///nowhere"], "/models/llama", cfg))
     for route, body in bodies.items():
         assert on.post(route, json=body).status_code == 401
         assert on.post(route, json=body, headers={"Authorization": "Bearer k"}).status_code == 503

@@ -42,6 +42,9 @@ class FakeClock:
         self.now += seconds
 
 
+E0 = (("engine", "0"),)  # the labels of engine core 0's series (besides model_name)
+
+
 def samples(metrics: EngineMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of the rendered text: (name, sorted labels without model_name) -> value."""
     body, _ = metrics.render()
@@ -156,17 +159,17 @@ def test_unknown_finish_reason_is_refused(metrics: EngineMetrics) -> None:
 def test_gauges_follow_update_engine(metrics: EngineMetrics) -> None:
     metrics.update_engine(SchedulerStats(num_running=3, num_waiting=5, kv_usage=0.25, num_steps=9))
     s = samples(metrics)
-    assert s[("ember_num_requests_running", ())] == 3
-    assert s[("ember_num_requests_waiting", ())] == 5
-    assert s[("ember_kv_cache_usage_ratio", ())] == 0.25
+    assert s[("ember_num_requests_running", E0)] == 3
+    assert s[("ember_num_requests_waiting", E0)] == 5
+    assert s[("ember_kv_cache_usage_ratio", E0)] == 0.25
     metrics.update_engine(SchedulerStats(num_running=0, num_waiting=1, kv_usage=0.0))
     s = samples(metrics)
-    assert s[("ember_num_requests_running", ())] == 0
-    assert s[("ember_num_requests_waiting", ())] == 1
-    assert s[("ember_kv_cache_usage_ratio", ())] == 0.0
+    assert s[("ember_num_requests_running", E0)] == 0
+    assert s[("ember_num_requests_waiting", E0)] == 1
+    assert s[("ember_kv_cache_usage_ratio", E0)] == 0.0
     metrics.update_engine(SchedulerStats(num_waiting=4))  # fields not given are an idle engine's
-    assert samples(metrics)[("ember_num_requests_waiting", ())] == 4
-    assert samples(metrics)[("ember_num_requests_running", ())] == 0
+    assert samples(metrics)[("ember_num_requests_waiting", E0)] == 4
+    assert samples(metrics)[("ember_num_requests_running", E0)] == 0
 
 
 def test_mirrored_stats_are_scheduler_stats_fields() -> None:
@@ -182,7 +185,7 @@ def test_cumulative_engine_counters_are_mirrored(metrics: EngineMetrics) -> None
 
     def mirrored() -> dict[str, float]:
         s = samples(metrics)
-        return {key: s[(name, ())] for key, name in names.items()}
+        return {key: s[(name, E0)] for key, name in names.items()}
 
     metrics.update_engine(SchedulerStats(num_preemptions=2, prefix_cache_queries=100, prefix_cache_hits=40))
     assert mirrored() == {"num_preemptions": 2, "prefix_cache_queries": 100, "prefix_cache_hits": 40}
@@ -193,6 +196,17 @@ def test_cumulative_engine_counters_are_mirrored(metrics: EngineMetrics) -> None
     assert mirrored() == {"num_preemptions": 3, "prefix_cache_queries": 174, "prefix_cache_hits": 72}
     metrics.update_engine(SchedulerStats(num_preemptions=4, prefix_cache_queries=30, prefix_cache_hits=8))
     assert mirrored() == {"num_preemptions": 6, "prefix_cache_queries": 194, "prefix_cache_hits": 80}
+
+
+def test_engine_series_are_labelled_by_data_parallel_rank(metrics: EngineMetrics) -> None:
+    metrics.update_engine(SchedulerStats(num_running=3, prefix_cache_hits=5), 0)
+    metrics.update_engine(SchedulerStats(num_running=7, prefix_cache_hits=2), 1)
+    metrics.update_engine(SchedulerStats(num_running=1, prefix_cache_hits=9), 1)
+    s = samples(metrics)
+    assert s[("ember_num_requests_running", E0)] == 3
+    assert s[("ember_num_requests_running", (("engine", "1"),))] == 1
+    assert s[("ember_prefix_cache_hits_total", E0)] == 5
+    assert s[("ember_prefix_cache_hits_total", (("engine", "1"),))] == 9  # each rank's own increase
 
 
 def test_instances_do_not_share_state(clock: FakeClock) -> None:
@@ -208,8 +222,8 @@ def test_instances_do_not_share_state(clock: FakeClock) -> None:
     sb = samples(b)
     assert sb[("ember_requests_total", (("finished_reason", "stop"),))] == 0
     assert sb[("ember_prompt_tokens_total", ())] == 0
-    assert sb[("ember_num_requests_running", ())] == 0
-    assert sb[("ember_num_preemptions_total", ())] == 0
+    assert sb[("ember_num_requests_running", E0)] == 0
+    assert sb[("ember_num_preemptions_total", E0)] == 0
     assert count(b, "ember_time_to_first_token_seconds") == 0
     assert not any(name == "ember_requests_rejected_total" for name, _ in sb)
     assert b"model-a" not in b.render()[0]
