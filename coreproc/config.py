@@ -140,6 +140,9 @@ class SchedulerConfig:
         return self.max_num_active_seqs or self.max_num_seqs
 
 
+RAY_MISSING = "--distributed-executor-backend ray needs Ray: pip install 'ember-serve[ray]'"
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is spread: tensor parallelism (each worker gets its own copy with `rank` set),
@@ -179,6 +182,11 @@ class ParallelConfig:
             raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
         if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ConfigError("data_parallel_rank must be in [0, data_parallel_size)")
+        if self.distributed_executor_backend == "ray":
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                raise ConfigError(RAY_MISSING)
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("node_rank must be in [0, nnodes)")
         if self.pp_layer_partition is not None:

@@ -28,7 +28,7 @@ import zmq
 from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
 from coreproc.errors import EmberError
-from coreproc.executor import MultiprocExecutor, WorkerError
+from coreproc.executor import MultiprocExecutor, WorkerError, make_executor
 from coreproc.host import engine_version
 from coreproc.ipc import Codec, CurveServer, is_loopback_endpoint
 from coreproc.mm_store import MultiModalCacheMiss
@@ -51,6 +51,7 @@ from coreproc.protocol import (
     UtilityMethod,
     UtilityResult,
 )
+from coreproc.ray_executor import RayExecutor
 from coreproc.startup import boot
 
 log = logging.getLogger("ember.core")
@@ -105,7 +106,8 @@ class CoreServer:
         self.sock.bind(listen)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.codec = Codec(TO_CORE)
-        executor = MultiprocExecutor(config, runtime_dir)
+        executor = make_executor(config, runtime_dir)  # worker processes, or Ray actors
+        assert isinstance(executor, (MultiprocExecutor, RayExecutor)), "the core's workers run elsewhere"
         executor.serve_while_waiting(self.sock, lambda: self._drain(0), lambda: self.engine.check_stall())
         self.engine = EngineCore(config, executor)
 

@@ -1,4 +1,4 @@
-"""Errors a user can fix, and the one base class they share.
+"""Errors a user can fix, and the one base class they share; and `WorkerError`, the engine's failure.
 
 Part of the shared base (imports nothing of Ember), raised in every process. An `EmberError`'s message
 is one line meant for the user: the `ember` command prints it and exits 2, the HTTP server answers 400.
@@ -17,6 +17,11 @@ class EmberError(Exception):
 
 class ConfigError(EmberError, ValueError):
     """A configuration value is wrong."""
+
+
+class WorkerError(RuntimeError):
+    """A worker died or failed; the engine cannot continue. Not an `EmberError`: no flag fixes it.
+    Raised by every executor (coreproc/executor.py, coreproc/ray_executor.py)."""
 
 
 def run_command(name: str, func: Callable[[], int], debug: bool = False) -> int:

@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from coreproc.config import EngineConfig
-from coreproc.errors import EmberError
+from coreproc.errors import EmberError, WorkerError
 from coreproc.ipc import Codec, ipc_endpoint
 from coreproc.protocol import (
     FROM_WORKER,
@@ -40,10 +40,6 @@ from coreproc.startup.spawn import spawn_worker
 log = logging.getLogger("ember.executor")
 
 POLL_MS = 100
-
-
-class WorkerError(RuntimeError):
-    """A worker died or failed; the engine cannot continue."""
 
 
 class Executor(Protocol):
@@ -212,7 +208,12 @@ class MultiprocExecutor:
 def make_executor(
     config: EngineConfig, runtime_dir: Path | None = None, show_progress: bool = True
 ) -> Executor:
-    """In-process for a single device, worker processes otherwise (or when a runtime dir is given)."""
+    """In-process for a single device, worker processes otherwise (or when a runtime dir is given);
+    Ray actors with the ray backend."""
+    if config.parallel.distributed_executor_backend == "ray":
+        from coreproc.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     if config.parallel.world_size == 1 and runtime_dir is None:
         return InprocExecutor(config, show_progress)
     if runtime_dir is None:
