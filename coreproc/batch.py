@@ -206,7 +206,7 @@ class BatchRunner:
         features: ChatFeatures | None = None,
         media: MediaConfig | None = None,
     ) -> None:
-        from coreproc.engine import EngineCore
+        from coreproc.dp_engine import make_engine
         from coreproc.text.output_processor import OutputProcessor
         from coreproc.text.tokenizer import load_tokenizer
 
@@ -224,7 +224,7 @@ class BatchRunner:
                 config.model.model, config.model.image_token_id, self.media_config
             )
         self.sink, self.done = sink, done
-        self.engine = EngineCore(config, show_progress=show_progress)
+        self.engine = make_engine(config, show_progress)  # several cores with --data-parallel-size
         self.processor = OutputProcessor(self.tokenizer)
         self.jobs: dict[str, Job] = {}  # by sub-request id
         self.seen: set[str] = set()  # custom_ids of the lines read so far

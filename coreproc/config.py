@@ -197,6 +197,12 @@ class ParallelConfig:
         """Workers of one engine: every pipeline stage's tensor-parallel ranks."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def workers_per_host(self) -> int:
+        """Workers sharing one host's cores and memory: every data-parallel engine's, spread over
+        the nodes."""
+        return max(1, self.world_size * self.data_parallel_size // self.nnodes)
+
     def _partition(self) -> list[int]:
         """`--pp-layer-partition` as layer counts, one positive count per stage."""
         text = self.pp_layer_partition or ""

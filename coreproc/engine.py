@@ -81,10 +81,20 @@ class EngineCore:
             return self.step_pipelined()
         if self._in_flight is not None:
             return self.step_overlapped()
+        launched = self.launch()
+        return [] if launched is None else self.finish(launched)
+
+    def launch(self) -> SchedulerOutput | None:
+        """The first half of a synchronous `step`: schedule and submit (None: nothing to do). Several
+        engines launched before any finishes run their steps at the same time."""
         if not self.scheduler.has_unfinished_requests():
-            return []
+            return None
         scheduler_output = self.scheduler.schedule()
         self.executor.submit(scheduler_output)
+        return scheduler_output
+
+    def finish(self, scheduler_output: SchedulerOutput) -> list[EngineOutput]:
+        """The second half of a synchronous `step`: wait for the launched step and take in its result."""
         return self._finish(scheduler_output)
 
     def step_overlapped(self) -> list[EngineOutput]:

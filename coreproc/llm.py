@@ -19,7 +19,7 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from coreproc.config import EngineConfig
-from coreproc.engine import EngineCore
+from coreproc.dp_engine import DPEngine, make_engine
 from coreproc.outputs import RequestOutput
 from coreproc.protocol import InvalidParam, LoRARef, MultiModalRef, QueueFull, SamplingParams, SchedulerStats
 from coreproc.startup import boot
@@ -57,7 +57,7 @@ class LLM:
             self.config = config if config is not None else EngineConfig.create(model, **engine_args)
             self.tokenizer = load_tokenizer(self.config.model.tokenizer)
             self.eos_token_ids = list(self.config.model.eos_token_ids)
-            self.engine = EngineCore(self.config, show_progress=show_progress)
+            self.engine = make_engine(self.config, show_progress)  # DPEngine with data_parallel_size > 1
         self.processor = OutputProcessor(self.tokenizer)
         image_token = self.config.model.image_token_id
         self.media = (
@@ -89,11 +89,16 @@ class LLM:
     def load_lora(self, name: str, path: str) -> None:
         """Serve a PEFT LoRA adapter folder under `name` (the engine needs `enable_lora=True`); loading
         a name again replaces its weights (requests already running keep the old ones)."""
-        self.engine.scheduler.loras.load(name, path)
+        for core in self._cores():
+            core.scheduler.loras.load(name, path)
 
     def unload_lora(self, name: str) -> None:
         """Stop serving an adapter (requests running with it finish with it)."""
-        self.engine.scheduler.loras.unload(name)
+        for core in self._cores():
+            core.scheduler.loras.unload(name)
+
+    def _cores(self) -> list:
+        return self.engine.cores if isinstance(self.engine, DPEngine) else [self.engine]
 
     # ------------------------------------------------------------------ prompts
 

@@ -28,6 +28,7 @@ from test_multiproc import children, cmdline, gone
 
 from coreproc import LLM, SamplingParams
 from coreproc.client import EngineClient
+from coreproc.dp_engine import DPEngine
 from coreproc.dp_router import DPRouter, merge_stats
 from coreproc.errors import EmberError
 from coreproc.protocol import SchedulerStats
@@ -290,8 +291,15 @@ def test_sdk_client_routes_over_a_core_group(llama, single) -> None:
 
 
 @pytest.mark.e2e
-def test_offline_llm_with_two_engines(llama, single) -> None:
-    with LLM(str(llama), dtype="float32", data_parallel_size=2, show_progress=False) as llm:
+@pytest.mark.parametrize("overlap", [True, False], ids=["async", "sync"])
+def test_offline_llm_with_two_engines(llama, single, overlap) -> None:
+    """Both cores take work and the tokens are a single engine's, with each core keeping its own step
+    in flight (async scheduling) or all cores launched before any is waited for."""
+    with LLM(
+        str(llama), dtype="float32", data_parallel_size=2, async_scheduling=overlap, show_progress=False
+    ) as llm:
         outs = llm.generate(PROMPT_TEXTS, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in single]
-        assert llm.stats().num_kv_blocks > 0
+        assert isinstance(llm.engine, DPEngine)
+        assert all(e.routed > 0 and e.in_flight == 0 for e in llm.engine.router.engines)
+        assert llm.stats().num_kv_blocks == sum(c.scheduler.kv.num_blocks for c in llm.engine.cores)

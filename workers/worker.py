@@ -74,6 +74,8 @@ def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.dev
     else:
         default = CUDA_DEFAULT_KV_FRACTION if device.type == "cuda" else CPU_DEFAULT_KV_FRACTION
         fraction = cache.kv_cache_memory_fraction or default
+        if device.type == "cpu":  # the host's memory is shared by all its workers (ranks, DP engines)
+            fraction /= config.parallel.workers_per_host
         # never reserve more than every sequence at full length could use
         blocks = min(int(available_memory(device) * fraction) // bytes_per_block, useful)
     if blocks < config.max_blocks_per_seq:

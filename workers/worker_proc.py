@@ -45,9 +45,11 @@ def rendezvous(config: EngineConfig, runtime_dir: Path) -> str:
 
 
 def worker_threads(config: EngineConfig) -> int:
-    """Torch threads of one CPU worker: the host's cores shared by the engine's workers."""
+    """Torch threads of one CPU worker: the host's cores (this process's affinity) shared by every
+    worker on the host, of every data-parallel engine: oversubscribed OpenMP threads spin and stall
+    each other."""
     cores = len(os.sched_getaffinity(0))
-    return max(1, cores // config.parallel.world_size)
+    return max(1, cores // config.parallel.workers_per_host)
 
 
 def init_distributed(config: EngineConfig, rank: int, init_method: str) -> tuple[TPGroup, PPGroup]:
@@ -90,7 +92,12 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     """Process main: never returns normally; exits 0 on shutdown, 1 on failure."""
     from setproctitle import setproctitle
 
-    setproctitle(f"ember-worker-{rank}")
+    dp = config.parallel
+    setproctitle(
+        f"ember-worker-{rank}"
+        if dp.data_parallel_size == 1
+        else f"ember-worker-dp{dp.data_parallel_rank}-{rank}"
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when workers stop
     logging.basicConfig(
         level=os.environ.get("EMBER_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
