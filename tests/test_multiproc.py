@@ -201,15 +201,25 @@ def test_tensor_parallel_equals_single_device(make_ckpt, arch):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_killed_worker_fails_requests_and_leaves_no_process(llama, prompts, tp):
-    proc = CoreProcess(EngineConfig.create(str(llama), dtype="float32", tensor_parallel_size=tp))
+    check_killed_worker(EngineConfig.create(str(llama), dtype="float32", tensor_parallel_size=tp), prompts)
+
+
+def check_killed_worker(
+    config: EngineConfig, prompts: list[list[int]], victim_rank: int | None = None
+) -> None:
+    """Kill one worker (default: the last) while requests stream: they fail within seconds, the core
+    exits 1 and no worker is left."""
+    world = config.parallel.world_size
+    proc = CoreProcess(config)
     try:
         workers = children(proc.pid)
-        assert len([w for w in workers if "ember-worker" in cmdline(w)]) == tp
+        assert len([w for w in workers if "ember-worker" in cmdline(w)]) == world
         client = EngineClient(proc.address)
         streams = [client.generate(p, LONG) for p in prompts[:3]]
         for s in streams:
             next(s)
-        victim = next(w for w in workers if f"ember-worker-{tp - 1}" in cmdline(w))
+        rank = world - 1 if victim_rank is None else victim_rank
+        victim = next(w for w in workers if f"ember-worker-{rank}" in cmdline(w))
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         for s in streams:
