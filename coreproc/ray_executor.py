@@ -72,7 +72,7 @@ class RayExecutor:
         self._step = 0
         try:
             if self._owns_ray:  # RAY_ADDRESS, else this host's running cluster, else a new local one
-                ray.init(log_to_driver=False)
+                ray.init()
             bundle = self.bundle(config)
             self.place(config, bundle)
             self.ready = self.start(config, int(bundle["CPU"]), ready_timeout)

@@ -111,6 +111,36 @@ def test_offline_pipeline_stage_per_node_equals_local(cluster, llama):
     assert wait_cpus_free(2.0)
 
 
+def kill_other_node(cluster) -> float:
+    """SIGKILL the raylet and processes of the node that is not the head; returns when it was done."""
+    (victim,) = cluster.list_all_nodes()[1:]  # not the head, which holds the cluster's control
+    killed_at = time.monotonic()
+    cluster.remove_node(victim, allow_graceful=False)
+    return killed_at
+
+
+def replace_other_node(cluster) -> None:
+    cluster.add_node(**NODE_ARGS, resources={"other": 1})
+    cluster.wait_for_nodes()
+
+
+@requires_ray
+def test_idle_core_notices_a_killed_node(cluster, llama, monkeypatch):
+    """No request running: the core's liveness probes find the dead rank and the core exits 1."""
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    options = {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
+    config = EngineConfig.create(str(llama), dtype="float32", **options)
+    proc = CoreProcess(config)
+    try:
+        killed_at = kill_other_node(cluster)
+        assert proc.proc.wait(KILL_BOUND_S) == 1
+        print(f"idle core: node killed -> core exited in {time.monotonic() - killed_at:.2f}s")
+        assert wait_cpus_free(1.0)
+    finally:
+        proc.stop(grace=0)
+        replace_other_node(cluster)
+
+
 @requires_ray
 def test_core_process_on_the_cluster_and_a_killed_node_fails_requests(cluster, llama, local_tp2, monkeypatch):
     """Last in the file: it takes a node away (and puts a fresh one back)."""
@@ -131,9 +161,7 @@ def test_core_process_on_the_cluster_and_a_killed_node_fails_requests(cluster, l
         streams = [client.generate(p, LONG) for p in prompts[:3]]
         for s in streams:
             next(s)
-        (victim,) = cluster.list_all_nodes()[1:]  # not the head, which holds the cluster's control
-        killed_at = time.monotonic()
-        cluster.remove_node(victim, allow_graceful=False)  # SIGKILL its raylet and processes
+        killed_at = kill_other_node(cluster)
         for s in streams:
             with pytest.raises(EngineDeadError, match=r"worker [01] on .* \(node [0-9a-f]{8}\)"):
                 for _ in s:
@@ -146,5 +174,4 @@ def test_core_process_on_the_cluster_and_a_killed_node_fails_requests(cluster, l
         assert wait_cpus_free(1.0), "the surviving rank's actor and the placement group must go"
     finally:
         proc.stop(grace=0)
-        cluster.add_node(**NODE_ARGS, resources={"other": 1})
-        cluster.wait_for_nodes()
+        replace_other_node(cluster)
