@@ -3,9 +3,10 @@
 Greedy tokens (and logprobs) with `--pipeline-parallel-size 2` equal transformers' and the single-device
 engine's, with several micro-batches really in flight, under chunked prefill and preemption, with a
 custom layer partition, a tied LM head on the last stage, tensor parallelism inside each stage, n-gram
-speculation and structured outputs; bad partitions and unsupported features are refused in one line; a
-killed stage fails its requests instead of hanging. The scheduler's pipelined order is checked without
-a model: micro-batches are disjoint, in-flight requests are never preempted, every request finishes.
+speculation, structured outputs and logits processors; bad partitions and unsupported features are
+refused in one line; a killed stage fails its requests instead of hanging. The scheduler's pipelined
+order is checked without a model: micro-batches are disjoint, in-flight requests are never preempted,
+every request finishes.
 Run: `pytest -q tests/test_pipeline_parallel.py`.
 """
 
@@ -99,9 +100,9 @@ def test_pipeline_with_tensor_parallel_stages(make_ckpt):
 
 
 @pytest.mark.e2e
-def test_ngram_speculation_and_structured_outputs_run_on_the_last_stage(llama4):
-    """Proposals are verified and grammars applied where sampling happens; the tokens are the
-    single-device engine's."""
+def test_speculation_grammars_and_logits_processors_run_on_the_last_stage(llama4):
+    """N-gram proposals are verified, grammars and logits processors applied where sampling happens;
+    the tokens are the single-device engine's."""
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
     prompts = ["x x x x x x", "import os\nimport sys\nimport os\n", "for i in range(3): for i in"]
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
@@ -117,6 +118,9 @@ def test_ngram_speculation_and_structured_outputs_run_on_the_last_stage(llama4):
     two, _ = generate(llama4, prompts, constrained, pipeline_parallel_size=2)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     assert all(o.outputs[0].text.lstrip().startswith("{") for o in two)
+    allowed = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=[7, 11, 13])
+    two, _ = generate(llama4, prompts, allowed, pipeline_parallel_size=2)
+    assert all(set(o.outputs[0].token_ids) <= {7, 11, 13} for o in two)
 
 
 @pytest.mark.unit
