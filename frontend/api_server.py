@@ -119,9 +119,15 @@ class Api:
     """Route handlers over one `ServingContext` (created when the app starts)."""
 
     def __init__(
-        self, addresses: list[str], model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
+        self,
+        addresses: list[str],
+        model_dir: str,
+        cfg: ServerConfig,
+        tokenizer: Tokenizer | None = None,
+        api_server: int = 0,
     ) -> None:
         self.addresses, self.model_dir, self.cfg = addresses, model_dir, cfg
+        self.api_server = api_server  # this process's index among `--api-server-count` servers
         self.tokenizer = tokenizer
         self.model_name = cfg.served_model_name or Path(model_dir).name
         self.accepted = {self.model_name, model_dir, str(Path(model_dir).resolve())}
@@ -155,7 +161,7 @@ class Api:
             tokenizer=self.tokenizer or load_tokenizer(info.model),
             info=info,
             model_name=self.model_name,
-            metrics=EngineMetrics(self.model_name),
+            metrics=EngineMetrics(self.model_name, api_server=self.api_server),
             chat_template=template,
             limits=RequestLimits.of(info.limits or None),
             max_stream_buffer_tokens=self.cfg.max_stream_buffer_tokens,
@@ -184,7 +190,7 @@ class Api:
                 self.stats = await ctx.client.stats_by_rank(timeout=5.0)
                 self.stats_at = time.monotonic()
                 for rank, stats in self.stats.items():
-                    if isinstance(stats, SchedulerStats):
+                    if isinstance(stats, SchedulerStats) and self.api_server == 0:  # once, not per server
                         ctx.metrics.update_engine(stats, rank)
                 ctx.metrics.update_routed([e.routed for e in ctx.client.router.engines])
             except EngineDeadError:
@@ -424,11 +430,15 @@ async def not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def build_app(
-    addresses: list[str], model_dir: str, cfg: ServerConfig, tokenizer: Tokenizer | None = None
+    addresses: list[str],
+    model_dir: str,
+    cfg: ServerConfig,
+    tokenizer: Tokenizer | None = None,
+    api_server: int = 0,
 ) -> Starlette:
     """The ASGI app for the engine cores listening at `addresses` (one per data-parallel rank; the
-    tokenizer loads at start-up unless given)."""
-    api = Api(addresses, model_dir, cfg, tokenizer)
+    tokenizer loads at start-up unless given); `api_server`: which of `--api-server-count` this is."""
+    api = Api(addresses, model_dir, cfg, tokenizer, api_server)
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),

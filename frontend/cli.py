@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # `ember serve --api-server-count` starts its other API servers with it
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     debug = args.log_level.upper() == "DEBUG"

@@ -4,12 +4,14 @@ Runs in the frontend process. Request handlers report each request's life throug
 (admitted -> tokens arrive -> finished) and refusals through `request_rejected`; a periodic poll of
 the core's "stats" utility (a `SchedulerStats`) feeds `update_engine`. Nothing is sent anywhere:
 Prometheus scrapes `render()`. Every `EngineMetrics` owns its `CollectorRegistry` (never the library's
-global one) and labels every series with `model_name`. Latencies use `time.monotonic` unless a clock
-is injected.
+global one) and labels every series with `model_name`; with several API server processes,
+prometheus-client's multiprocess mode adds their series up (frontend.api_servers). Latencies use
+`time.monotonic` unless a clock is injected.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -20,6 +22,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 from coreproc.protocol import FINISH_REASONS, FinishReason, SchedulerStats
@@ -88,9 +91,11 @@ class EngineMetrics:
     `ember_requests_rejected_total{status_code}`, so the first counter is always the engine's view.
     """
 
-    def __init__(self, model_name: str, *, clock: Clock = time.monotonic) -> None:
+    def __init__(self, model_name: str, *, clock: Clock = time.monotonic, api_server: int = 0) -> None:
         self.model_name = model_name
         self.clock = clock
+        # several API server processes (PROMETHEUS_MULTIPROC_DIR set): /metrics adds up their files
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         reg = self.registry
@@ -135,10 +140,12 @@ class EngineMetrics:
             "Speculative decoding: acceptance rate of the proposed token at each position.",
             [*labels, "engine", "position"],
             registry=reg,
+            multiprocess_mode="mostrecent",
         )
         engine = [*labels, "engine"]  # the engine core's data-parallel rank
-        self._gauges = {
-            key: Gauge(name, doc, engine, registry=reg) for key, (name, doc) in _ENGINE_GAUGES.items()
+        self._gauges = {  # set by API server 0 only: its latest value is the core's
+            key: Gauge(name, doc, engine, registry=reg, multiprocess_mode="mostrecent")
+            for key, (name, doc) in _ENGINE_GAUGES.items()
         }
         self._mirrored = {
             key: Counter(name, doc, engine, registry=reg) for key, (name, doc) in _ENGINE_COUNTERS.items()
@@ -149,12 +156,19 @@ class EngineMetrics:
             engine,
             registry=reg,
         )
+        self._served = Counter(
+            "ember_api_server_requests",
+            "Requests admitted by each HTTP frontend process (--api-server-count).",
+            [*labels, "api_server"],
+            registry=reg,
+        ).labels(model_name, str(api_server))
         for metric in (*self._gauges.values(), *self._mirrored.values(), self._routed):
             metric.labels(model_name, "0")  # exported at zero before the first stats arrive
         self._last_cumulative: dict[tuple[str, int], float] = {}
 
     def request_started(self) -> RequestTimer:
         """Call when a request is admitted; the timer starts now."""
+        self._served.inc()
         return RequestTimer(self)
 
     def request_rejected(self, status_code: int) -> None:
@@ -198,7 +212,11 @@ class EngineMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The body and content type of a `GET /metrics` response (Prometheus text format)."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if not self.multiprocess:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 class RequestTimer:

@@ -1,8 +1,10 @@
-"""`ember serve [MODEL]`: start the engine core, then the HTTP server in front of it.
+"""`ember serve [MODEL]`: start the engine cores, then the HTTP server in front of them.
 
 Runs in the frontend process. The listening socket is bound first (a taken port fails at once, before
-the model loads), then `ember-core` and its workers start and report ready, then uvicorn (uvloop)
-serves the Starlette app on that socket. Ctrl-C / SIGTERM: uvicorn drains, then the core is stopped.
+the model loads), then the `ember-core` processes (one per data-parallel rank) and their workers start
+and report ready, then uvicorn (uvloop) serves the Starlette app on that socket; with
+`--api-server-count N`, N - 1 more frontend processes share the port (frontend.api_servers).
+Ctrl-C / SIGTERM: uvicorn drains, then the other API servers and the cores are stopped.
 
 Parked mode (`--snapshot-park DIR`, started by `ember snapshot create`): everything is initialized the
 same way, but no socket is bound. The canary request runs through the app in-process, its answer goes
@@ -26,6 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from coreproc.errors import EmberError
 from coreproc.model_config import MODEL_HELP
+from frontend.api_servers import (
+    CHILD_FLAG,
+    exit_with_parent,
+    remove_shared_metrics,
+    start_children,
+    stop_children,
+    use_shared_metrics,
+)
 from frontend.canary import canary_request, canary_result
 from frontend.server_config import add_server_arguments, server_config
 from frontend.snapshot_manifest import write_json_atomic
@@ -41,12 +51,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     add_server_arguments(p)
     p.add_argument("--snapshot-park", default=None, help=argparse.SUPPRESS)
+    p.add_argument(CHILD_FLAG, default=None, help=argparse.SUPPRESS)  # set for API servers 1..N-1
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket (`reuse_port`: shared with the other API server processes)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -89,24 +103,53 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
     if args.snapshot_park:
         return run_parked(args, config, Path(args.snapshot_park))
+    if args.api_server_child:
+        return run_child(args, config, json.loads(args.api_server_child))
     cfg = server_config(args)  # its errors before the port is taken and the model loads
-    sock = bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    with ThreadPoolExecutor(1) as pool:
-        prepared = pool.submit(prepare_http, config.model.tokenizer)
-        with CoreGroup(config, shutdown_timeout=args.shutdown_timeout) as cores:
-            uvicorn, build_app, tokenizer = prepared.result()
-            print(describe_engine(cores.addresses), flush=True)
-            app = build_app(cores.addresses, config.model.model, cfg, tokenizer)
-            level = logging.getLevelName(logging.getLogger().level).lower()
-            server = uvicorn.Server(
-                uvicorn.Config(
-                    app, loop="uvloop", log_level=level, timeout_graceful_shutdown=args.shutdown_timeout
-                )
-            )
-            print(f"ember serve: listening on http://{host}:{port}", flush=True)
-            server.run(sockets=[sock])
+    count = cfg.api_server_count
+    metrics_dir = use_shared_metrics() if count > 1 else None  # before prometheus_client loads
+    try:
+        sock = bind(args.host, args.port, reuse_port=count > 1)
+        host, port = sock.getsockname()[:2]
+        with ThreadPoolExecutor(1) as pool:
+            prepared = pool.submit(prepare_http, config.model.tokenizer)
+            with CoreGroup(config, shutdown_timeout=args.shutdown_timeout) as cores:
+                uvicorn, build_app, tokenizer = prepared.result()
+                print(describe_engine(cores.addresses), flush=True)
+                children = start_children(args.argv, count, port, cores.addresses) if count > 1 else []
+                try:
+                    app = build_app(cores.addresses, config.model.model, cfg, tokenizer)
+                    servers = f" ({count} API server processes)" if count > 1 else ""
+                    print(f"ember serve: listening on http://{host}:{port}{servers}", flush=True)
+                    _uvicorn_server(uvicorn, app, args.shutdown_timeout).run(sockets=[sock])
+                finally:
+                    stop_children(children, args.shutdown_timeout)
+    finally:
+        if metrics_dir is not None:
+            remove_shared_metrics(metrics_dir)
     return 0
+
+
+def run_child(args: argparse.Namespace, config: EngineConfig, spec: dict[str, Any]) -> int:
+    """API server `spec["index"]` of `--api-server-count`: the parent's engine cores, the shared port."""
+    from setproctitle import setproctitle
+
+    setproctitle(f"ember-api-server-{spec['index']}")
+    exit_with_parent(spec["parent"])
+    cfg = server_config(args)
+    sock = bind(args.host, args.port, reuse_port=True)
+    uvicorn, build_app, tokenizer = prepare_http(config.model.tokenizer)
+    app = build_app(spec["addresses"], config.model.model, cfg, tokenizer, api_server=spec["index"])
+    print(f"ember serve: API server {spec['index']} listening", flush=True)
+    _uvicorn_server(uvicorn, app, args.shutdown_timeout).run(sockets=[sock])
+    return 0
+
+
+def _uvicorn_server(uvicorn: Any, app: Any, shutdown_timeout: float) -> Any:
+    level = logging.getLevelName(logging.getLogger().level).lower()
+    return uvicorn.Server(
+        uvicorn.Config(app, loop="uvloop", log_level=level, timeout_graceful_shutdown=shutdown_timeout)
+    )
 
 
 def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> int:

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from coreproc import options
+from coreproc.errors import ConfigError
 from coreproc.options import option
 from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
 from coreproc.text.media_config import MEDIA_SECTIONS, MediaConfig
@@ -38,6 +39,11 @@ class ServerConfig:
         "whoever may call them makes the engine read any folder it can reach: set --api-key",
         False,
     )
+    api_server_count: int = option(
+        "HTTP frontend processes sharing the port (SO_REUSEPORT) and the engine cores: tokenizing, "
+        "templating and streaming spread over them",
+        1,
+    )
     features: ChatFeatures = field(default_factory=ChatFeatures)  # the `openai` flags
     media: MediaConfig = field(default_factory=MediaConfig)  # the `media` flags: image input
 
@@ -54,4 +60,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     features = ChatFeatures(**{f.name: values[f.name] for f in dataclasses.fields(ChatFeatures)})
     media = MediaConfig(**{f.name: values[f.name] for f in dataclasses.fields(MediaConfig)})
     names = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in ("features", "media")]
-    return ServerConfig(**{name: values[name] for name in names}, features=features, media=media)
+    cfg = ServerConfig(**{name: values[name] for name in names}, features=features, media=media)
+    if cfg.api_server_count < 1:
+        raise ConfigError("--api-server-count must be at least 1")
+    return cfg

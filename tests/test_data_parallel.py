@@ -268,6 +268,31 @@ async def _fail_or_finish(url: str, n: int) -> list[tuple[str, str, float]]:
 
 
 @pytest.mark.e2e
+def test_api_servers_share_the_port_and_the_cores(llama, reference) -> None:
+    proc, url = start_server(str(llama), "-dp", "2", "--api-server-count", "2")
+    try:
+        child = next(c for c in children(proc.pid) if "ember-api-server-1" in cmdline(c))
+        texts = [complete(url, PROMPT_TEXTS[k % len(PROMPT_TEXTS)])["choices"][0]["text"] for k in range(32)]
+        assert texts == [reference[k % len(reference)] for k in range(32)]  # a new connection each
+        served = [metric(url, "ember_api_server_requests_total", f'api_server="{i}"') for i in (0, 1)]
+        assert sum(served) == 32 and min(served) > 0, served  # the kernel spread them
+        time.sleep(1.2)
+        assert sum(routed(url)) == 32 and min(routed(url)) > 0  # both servers' routing, added up
+        assert metric(url, "ember_requests_total", 'finished_reason="length"') == 32
+    finally:
+        stop_server(proc)
+    assert gone([child])
+
+
+@pytest.mark.e2e
+def test_api_server_count_below_one_is_one_line(llama) -> None:
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", str(llama), "--api-server-count", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--api-server-count must be at least 1" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.e2e
 def test_sdk_client_routes_over_a_core_group(llama, single) -> None:
     cmd = [sys.executable, "-m", "frontend.cli", "core", str(llama), "--dtype", "float32", "-dp", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
