@@ -24,6 +24,7 @@ import torch
 
 from coreproc import LLM, SamplingParams
 from coreproc.config import EngineConfig
+from coreproc.dp_engine import DPEngine
 from coreproc.protocol import CacheRequest
 from coreproc.startup.spawn import ForkedProcess
 from kernels import select_backend
@@ -316,19 +317,14 @@ def test_tensor_parallel_data_parallel_and_quantized(make_ckpt, tmp_path):
         kw = dict(dtype="float32", quantization="int8", tensor_parallel_size=2, show_progress=False)
         with LLM(tiny, **kw) as disk:
             want = tokens(disk)
-        for dp_rank in (0, 1):
-            with LLM(
-                tiny,
-                load_format="ipc_cache",
-                socket_dir=str(sock),
-                data_parallel_size=2,
-                data_parallel_rank=dp_rank,
-                **kw,
-            ) as llm:
-                assert [r.weight_source for r in llm.engine.executor.ready] == ["ipc_cache", "ipc_cache"]
+        # two data-parallel engines, each mapping its own rank's daemons
+        with LLM(tiny, load_format="ipc_cache", socket_dir=str(sock), data_parallel_size=2, **kw) as llm:
+            assert isinstance(llm.engine, DPEngine)
+            for core in llm.engine.cores:
+                assert [r.weight_source for r in core.executor.ready] == ["ipc_cache", "ipc_cache"]
                 # workers were forked by the preload zygote (torch already imported), not started fresh
-                assert all(isinstance(p, ForkedProcess) for p in llm.engine.executor.procs)
-                assert tokens(llm) == want
+                assert all(isinstance(p, ForkedProcess) for p in core.executor.procs)
+            assert tokens(llm) == want
     finally:
         stop(proc)
 
