@@ -19,6 +19,7 @@ from collections import deque
 from pathlib import Path
 
 import pytest
+import torch
 from hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_greedy
 from test_multiproc import check_killed_worker
 
@@ -26,7 +27,12 @@ from coreproc import LLM, SamplingParams
 from coreproc.config import ConfigError, EngineConfig, ParallelConfig
 from coreproc.protocol import EngineRequest, StructuredSpec
 from coreproc.scheduler import Scheduler
+from kernels import AttentionMetadata
 from tests.sched_util import VOCAB, check_invariants, fake_runner_output, make_config
+from workers.models import fused_decode
+from workers.parallel import PPGroup
+from workers.pipeline import StageForward
+from workers.worker import Worker
 
 MAX_NEW = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)
@@ -121,6 +127,29 @@ def test_speculation_grammars_and_logits_processors_run_on_the_last_stage(llama4
     allowed = SamplingParams(temperature=0.0, max_tokens=8, allowed_token_ids=[7, 11, 13])
     two, _ = generate(llama4, prompts, allowed, pipeline_parallel_size=2)
     assert all(set(o.outputs[0].token_ids) <= {7, 11, 13} for o in two)
+
+
+@pytest.mark.model
+def test_stages_compose_to_the_whole_model_on_the_one_call_layers(make_ckpt):
+    """In one process, no links: stage 0's output fed to stage 1 equals the whole model's hidden states
+    bit for bit, each stage running its own layers through the one-call decode path (bf16 on CPU)."""
+    path = str(make_ckpt("llama", layers=4, dtype="bfloat16"))
+    setup = dict(dtype="bfloat16", device="cpu", num_kv_blocks=8, max_model_len=128)
+    whole = Worker(EngineConfig.create(path, **setup))
+    config = EngineConfig.create(path, pipeline_parallel_size=2, pp_layer_partition="1,3", **setup)
+    stages = [Worker(config, pp=PPGroup(s, 2, *config.parallel.stage_layers(4)[s])) for s in (0, 1)]
+    hidden = None
+    for worker in [whole, *stages]:
+        worker.load(show_progress=False)
+    ids = torch.arange(5, 15)  # a 10-token prefill: short enough for the one-call layers
+    for stage in stages:
+        assert stage.runner is not None and isinstance(stage.runner.forward, StageForward)
+        assert isinstance(stage.runner.forward.body, fused_decode.FusedDecode)
+        meta = AttentionMetadata.build([10], [10], [[0]], 16, torch.device("cpu"))
+        hidden = stage.runner.forward.body(ids, torch.arange(10), stage.runner.kv_caches, meta, hidden)
+    assert whole.runner is not None
+    meta = AttentionMetadata.build([10], [10], [[0]], 16, torch.device("cpu"))
+    assert torch.equal(hidden, whole.runner.forward(ids, torch.arange(10), whole.runner.kv_caches, meta))
 
 
 @pytest.mark.unit

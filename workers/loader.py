@@ -2,7 +2,8 @@
 
 Runs in worker processes. Tensors are read through safetensors' memory map one at a time and copied
 into this rank's parameters by each parameter's `weight_loader`; checkpoint names are first renamed by
-the model's `checkpoint_renames` prefixes, then stacked projections are mapped from them. Every
+the model's `checkpoint_renames` prefixes, then stacked projections are mapped from them; a pipeline
+stage skips the tensors its model lists in `missing_prefixes` (other stages' layers). Every
 mismatch (unknown tensor, wrong shape, missing tensor) raises `WeightLoadError` with one line naming
 the tensor and the file.
 """

@@ -12,16 +12,19 @@ from __future__ import annotations
 import torch
 
 from kernels import AttentionMetadata
+from workers.models.fused_decode import plan
 from workers.models.llama import LlamaForCausalLM
 from workers.parallel import PPGroup
 
 
 class StageForward:
     """forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden] of one stage: the last
-    stage's after the final norm (for the LM head), the others' as handed to the next stage."""
+    stage's after the final norm (for the LM head), the others' as handed to the next stage. The
+    stage's layers run as the model's modules or, where they qualify, as one-call decode layers."""
 
     def __init__(self, model: LlamaForCausalLM, pp: PPGroup, dtype: torch.dtype) -> None:
         self.model = model
+        self.body = plan(model) or model  # both take `inputs_embeds`
         self.pp = pp
         self.dtype = dtype  # of the hidden states between stages: the engine's compute dtype
         self.hidden_size = int(model.config.hidden_size)
@@ -36,7 +39,7 @@ class StageForward:
         received = None
         if not self.pp.is_first:
             received = self.pp.recv(input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device)
-        hidden = self.model(input_ids, positions, kv_caches, meta, inputs_embeds=received)
+        hidden = self.body(input_ids, positions, kv_caches, meta, inputs_embeds=received)
         if not self.pp.is_last:
             self.pp.send(hidden.to(self.dtype))
         return hidden

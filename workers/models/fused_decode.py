@@ -5,12 +5,12 @@ layer. Where every piece of a Llama-style layer already runs on the native CPU o
 or integer-dot linears, GGUF segments included, with or without bias, native norms, rotary and
 activation, the CPU attention backend, one rank, no q/k norm), kernels/csrc/cpu_decoder.cpp runs the
 same ops in the same order in one call, so a decode batch gets bit-identical results to the module
-path. Short queries (speculative verification, the
-draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per request) take it too, each
-token as a decode row of its own: its keys are written before attention runs, and it attends to
-positions 0 .. its own (the same logits a plain decode step at that position gives). Longer
-prefills keep the module path. The worker calls `select_forward` once per model, after loading and
-installing its ops; the model runner (and the draft) call what it returns for every step.
+path (a pipeline stage runs its own layers so, from the hidden states it was given). Short queries
+(speculative verification, the draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per
+request) take it too, each token as a decode row of its own: its keys are written before attention
+runs, and it attends to positions 0 .. its own (the same logits a plain decode step at that position
+gives). Longer prefills keep the module path. The worker calls `select_forward` once per model, after
+loading and installing its ops; the model runner (and the draft) call what it returns for every step.
 """
 
 from __future__ import annotations
@@ -156,24 +156,26 @@ class FusedDecode:
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """As the model's forward (`inputs_embeds`: a later pipeline stage's input)."""
         if not qualifies(meta, input_ids.shape[0]):
-            return self.model(input_ids, positions, kv_caches, meta)
+            return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
         body = self.model.model
-        rotary = body.layers[0].self_attn.rotary
-        x = run(self.layers, rotary, positions, body.embed_tokens(input_ids), kv_caches, meta)
-        return body.norm(x)
+        rotary = self.model.held_layers()[0].self_attn.rotary
+        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = run(self.layers, rotary, positions, x, kv_caches, meta)
+        return body.norm(x) if self.model.pp.is_last else x
 
 
 def plan(model: LlamaForCausalLM) -> FusedDecode | None:
-    """The one-call layers of a bf16 model when every layer qualifies, else None."""
-    body = model.model
-    if model.pp.size > 1:  # a pipeline stage keeps the module path
-        return None
-    dtype = body.embed_tokens.out_dtype
+    """The one-call layers of a bf16 model (or pipeline stage) when every layer it holds qualifies, else
+    None."""
+    held = model.held_layers()
+    dtype = model.model.embed_tokens.out_dtype if model.pp.is_first else held[0].input_layernorm.weight.dtype
     if dtype != torch.bfloat16:
         return None
-    plans = [layer_plan(layer, dtype) for layer in body.layers]
+    plans = [layer_plan(layer, dtype) for layer in held]
     qualified = [p for p in plans if p is not None]
     return FusedDecode(model, qualified) if len(qualified) == len(plans) else None
 
