@@ -16,17 +16,19 @@ import contextlib
 import itertools
 import queue
 import threading
-import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from coreproc.dp_client import DPEngineClient, make_request
+from coreproc.dp_router import Routing
+from coreproc.errors import EngineDeadError, EngineRequestError
 from coreproc.ipc import Codec, apply_curve_client
 from coreproc.mm_store import MediaShadow
 from coreproc.protocol import (
@@ -37,8 +39,6 @@ from coreproc.protocol import (
     EngineInfo,
     EngineOutput,
     EngineRequest,
-    ErrorCode,
-    LoRARef,
     MultiModalRef,
     OutputBatch,
     SamplingParams,
@@ -48,24 +48,6 @@ from coreproc.protocol import (
     UtilityMethod,
     UtilityResult,
 )
-
-if TYPE_CHECKING:
-    from coreproc.dp_client import DPEngineClient
-
-
-class EngineDeadError(RuntimeError):
-    """The engine died or the connection to it was lost."""
-
-
-class EngineRequestError(RuntimeError):
-    """The engine refused or failed one request; the message says why, `code` what kind of failure
-    (an `ErrorCode`, or None for a failure while running)."""
-
-    def __init__(self, message: str, code: ErrorCode | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.param = param
-
 
 HEARTBEAT_S = 1.0
 
@@ -113,31 +95,6 @@ class _Stream:
         if isinstance(item, EngineOutput):
             self.buffered -= len(item.new_token_ids)
         return item
-
-
-def make_request(
-    prompt_token_ids: list[int],
-    params: SamplingParams | None = None,
-    *,
-    request_id: str | None = None,
-    priority: int = 0,
-    cache_salt: str | None = None,
-    eos_token_ids: list[int] | None = None,
-    mm_refs: list[MultiModalRef] | None = None,
-    lora: str | None = None,
-) -> EngineRequest:
-    """One sequence's `EngineRequest` (see `AsyncEngineClient.generate` for the arguments)."""
-    return EngineRequest(
-        request_id=request_id or uuid.uuid4().hex,
-        prompt_token_ids=list(prompt_token_ids),
-        sampling_params=params or SamplingParams(),
-        eos_token_ids=eos_token_ids or [],
-        arrival_time=time.time(),
-        priority=priority,
-        cache_salt=cache_salt,
-        lora=None if lora is None else LoRARef(lora, ""),
-        mm_refs=mm_refs or [],
-    )
 
 
 class AsyncEngineClient:
@@ -426,6 +383,22 @@ class AsyncEngineClient:
         self.ctx.term()
 
 
+async def connect_engines(
+    addresses: Sequence[str], *, routing: Routing | None = None, timeout: float = 30.0, **keys: Any
+) -> DPEngineClient:
+    """A `DPEngineClient` of the cores at `addresses` (connected in parallel; one address is fine);
+    EngineDeadError if any does not answer. `routing`: default, the cores' `--dp-routing`."""
+    tasks = [asyncio.ensure_future(AsyncEngineClient.connect(a, timeout=timeout, **keys)) for a in addresses]
+    done = await asyncio.gather(*tasks, return_exceptions=True)
+    failed = next((d for d in done if isinstance(d, BaseException)), None)
+    if failed is not None:
+        for d in done:
+            if isinstance(d, AsyncEngineClient):
+                await d.aclose()
+        raise failed
+    return DPEngineClient([d for d in done if isinstance(d, AsyncEngineClient)], routing)
+
+
 class EngineClient:
     """Blocking client: the same calls as `AsyncEngineClient`, on a private event-loop thread."""
 
@@ -441,9 +414,7 @@ class EngineClient:
             if isinstance(address, str):
                 connect = AsyncEngineClient.connect(address, timeout=timeout, **keys)
             else:
-                from coreproc.dp_client import DPEngineClient
-
-                connect = DPEngineClient.connect(address, timeout=timeout, **keys)
+                connect = connect_engines(address, timeout=timeout, **keys)
             self._client: AsyncEngineClient | DPEngineClient = self._run(connect)
         except BaseException:
             self._stop_loop()

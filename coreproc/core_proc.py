@@ -132,6 +132,7 @@ class CoreServer:
             mm_cache_bytes=cfg.cache.mm_cache_bytes,
             lora_enabled=cfg.lora.enable_lora,
             loras={name: a.path for name, a in self.engine.scheduler.loras.adapters.items()},
+            pipeline_parallel_size=cfg.parallel.pipeline_parallel_size,
             data_parallel_rank=cfg.parallel.data_parallel_rank,
             data_parallel_size=cfg.parallel.data_parallel_size,
             dp_routing=cfg.parallel.dp_routing,

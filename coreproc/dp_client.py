@@ -11,16 +11,54 @@ reset and LoRA loads go to every live core, `stats()` merges theirs, `stats_by_r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Hashable, Sequence
-from typing import Any
+import time
+import uuid
+from collections.abc import AsyncIterator, Hashable
+from typing import TYPE_CHECKING, Any
 
-from coreproc.client import AsyncEngineClient, EngineDeadError, make_request
 from coreproc.dp_router import DPRouter, Routing, merge_stats
-from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, SamplingParams, SchedulerStats
+from coreproc.errors import EngineDeadError
+from coreproc.protocol import (
+    EngineInfo,
+    EngineOutput,
+    EngineRequest,
+    LoRARef,
+    MultiModalRef,
+    SamplingParams,
+    SchedulerStats,
+)
+
+if TYPE_CHECKING:
+    from coreproc.client import AsyncEngineClient
+
+
+def make_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams | None = None,
+    *,
+    request_id: str | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    eos_token_ids: list[int] | None = None,
+    mm_refs: list[MultiModalRef] | None = None,
+    lora: str | None = None,
+) -> EngineRequest:
+    """One sequence's `EngineRequest` (see `AsyncEngineClient.generate` for the arguments)."""
+    return EngineRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=params or SamplingParams(),
+        eos_token_ids=eos_token_ids or [],
+        arrival_time=time.time(),
+        priority=priority,
+        cache_salt=cache_salt,
+        lora=None if lora is None else LoRARef(lora, ""),
+        mm_refs=mm_refs or [],
+    )
 
 
 class DPEngineClient:
-    """asyncio client of D engine cores. Use `await DPEngineClient.connect(addresses)`."""
+    """asyncio client of D engine cores. Use `await coreproc.client.connect_engines(addresses)`."""
 
     def __init__(self, clients: list[AsyncEngineClient], routing: Routing | None = None) -> None:
         assert clients, "a data-parallel client needs at least one core"
@@ -39,23 +77,6 @@ class DPEngineClient:
         )
         self._where: dict[str, int] = {}  # request id -> the core running it
         self._dead: dict[int, str] = {}
-
-    @classmethod
-    async def connect(
-        cls, addresses: Sequence[str], *, routing: Routing | None = None, timeout: float = 30.0, **keys: Any
-    ) -> DPEngineClient:
-        """Connect to every core (in parallel); EngineDeadError if any does not answer."""
-        tasks = [
-            asyncio.ensure_future(AsyncEngineClient.connect(a, timeout=timeout, **keys)) for a in addresses
-        ]
-        done = await asyncio.gather(*tasks, return_exceptions=True)
-        failed = next((d for d in done if isinstance(d, BaseException)), None)
-        if failed is not None:
-            for d in done:
-                if isinstance(d, AsyncEngineClient):
-                    await d.aclose()
-            raise failed
-        return cls([d for d in done if isinstance(d, AsyncEngineClient)], routing)
 
     @property
     def size(self) -> int:

@@ -24,6 +24,20 @@ class WorkerError(RuntimeError):
     Raised by every executor (coreproc/executor.py, coreproc/ray_executor.py)."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine died or the connection to it was lost (raised by the client SDK)."""
+
+
+class EngineRequestError(RuntimeError):
+    """The engine refused or failed one request; the message says why, `code` what kind of failure
+    (a `coreproc.protocol.ErrorCode`, or None for a failure while running)."""
+
+    def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
 def run_command(name: str, func: Callable[[], int], debug: bool = False) -> int:
     """A command's exit status: its own; 2 with one line on stderr for an `EmberError` (its traceback
     too with `debug`); 130 on Ctrl-C. Any other exception propagates (traceback, status 1)."""

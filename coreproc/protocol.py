@@ -387,6 +387,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     mm_cache_bytes: int = 0  # what the core keeps of sent images (clients mirror it to send hashes)
     lora_enabled: bool = False  # the engine serves LoRA adapters (--enable-lora)
     loras: dict[str, str] = {}  # the adapters loaded when this answer was made: name -> folder
+    pipeline_parallel_size: int = 1
     data_parallel_rank: int = 0  # this core's place among data-parallel engines
     data_parallel_size: int = 1
     dp_routing: str = "least-loaded"  # how clients should route among them (--dp-routing)

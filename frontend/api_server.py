@@ -30,8 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from coreproc.client import EngineDeadError, EngineRequestError
-from coreproc.dp_client import DPEngineClient
+from coreproc.client import EngineDeadError, EngineRequestError, connect_engines
 from coreproc.host import engine_version
 from coreproc.limits import RequestLimits
 from coreproc.protocol import SchedulerStats
@@ -141,7 +140,7 @@ class Api:
     async def lifespan(self, app: Starlette):
         from coreproc.text.tokenizer import load_tokenizer
 
-        client = await DPEngineClient.connect(self.addresses)
+        client = await connect_engines(self.addresses)
         template = self.cfg.chat_template
         if template is not None and Path(template).is_file():
             template = Path(template).read_text()

@@ -185,8 +185,8 @@ def preflight(args: argparse.Namespace, tools: SnapshotTools) -> tuple[list[str]
         reasons.append("--snapshot-park is set by `ember snapshot create` itself")
     if args.api_server_count != 1:
         reasons.append("--api-server-count: a snapshot holds one HTTP server process")
-    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1:
-        reasons.append("tensor and data parallelism: a snapshot holds one single-device engine")
+    if args.tensor_parallel_size != 1 or args.data_parallel_size != 1 or args.pipeline_parallel_size != 1:
+        reasons.append("tensor, pipeline and data parallelism: a snapshot holds one single-device engine")
     if args.speculative_config:
         reasons.append("--speculative-config: speculative decoding is not snapshotted in this version")
     try:

@@ -265,7 +265,7 @@ def test_inspect_prints_the_manifest(snap: Path) -> None:
 def test_create_refusals_and_failed_create(tmp_path: Path, model: Path) -> None:
     done = ember("snapshot", "create", str(tmp_path / "a"), str(model), "--api-key", "k", "-tp", "2")
     assert done.returncode == 2 and not (tmp_path / "a").exists()
-    assert "--api-key" in done.stderr and "tensor and data parallelism" in done.stderr
+    assert "--api-key" in done.stderr and "tensor, pipeline and data parallelism" in done.stderr
     # passes preflight, then the engine refuses to start (no room for one sequence): nothing is left
     done = ember("snapshot", "create", str(tmp_path / "b"), str(model), "--num-kv-blocks", "1")
     assert done.returncode == 2 and "before parking" in done.stderr
