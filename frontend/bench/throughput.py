@@ -230,11 +230,11 @@ def run_inproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
 
 
 def run_multiproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
-    from coreproc.client import AsyncEngineClient
-    from coreproc.startup.launcher import CoreProcess
+    from coreproc.client import connect_engines
+    from coreproc.startup.launcher import CoreGroup
 
-    async def drive(address: str) -> tuple[list[Timed], Any]:
-        client = await AsyncEngineClient.connect(address)
+    async def drive(addresses: list[str]) -> tuple[list[Timed], Any]:
+        client = await connect_engines(addresses)  # one core, or one per data-parallel rank
         try:
 
             async def one(p: list[int], sp: SamplingParams) -> int:
@@ -253,9 +253,14 @@ def run_multiproc(config: EngineConfig, workloads: list[Workload]) -> list[Resul
         finally:
             await client.aclose()
 
-    with CoreProcess(config) as core:
-        timed, info = asyncio.run(drive(core.address))
-    mode = "multiproc" if config.scheduler.async_scheduling else "multiproc-sync"
+    with CoreGroup(config) as cores:
+        timed, info = asyncio.run(drive(cores.addresses))
+    par = config.parallel
+    layout = [f"{k}{n}" for k, n in (("tp", par.tensor_parallel_size), ("pp", par.pipeline_parallel_size),
+                                      ("dp", par.data_parallel_size)) if n > 1]  # fmt: skip
+    mode = ("multiproc" if config.scheduler.async_scheduling else "multiproc-sync") + "".join(
+        f" {x}" for x in layout
+    )
     return results_of(config, mode, timed, sum(info.weight_bytes_by_dtype.values()), info.quantize_seconds)
 
 
@@ -289,12 +294,12 @@ def print_report(args: argparse.Namespace, config: EngineConfig, results: list[R
         f"model {config.model.model} ({config.model.dtype}), {args.num_prompts} prompts x "
         f"{args.input_len} in / {args.output_len} out, max_num_seqs {config.scheduler.max_num_seqs}"
     )
-    head = f"{'mode':<15}{'quant':<16}{'structured':<13}{'lora':<10}{'out tok/s':>11}{'total tok/s':>13}"
+    head = f"{'mode':<22}{'quant':<16}{'structured':<13}{'lora':<10}{'out tok/s':>11}{'total tok/s':>13}"
     head += f"{'seconds':>9}"
     print(head + f"{'steps':>7}{'ms/step':>9}{'weights MiB':>13}{'quant s':>9}")
     for r in results:
         print(
-            f"{r.mode:<15}{r.quantization:<16}{r.structured:<13}{r.lora:<10}{r.output_tps:>11.1f}"
+            f"{r.mode:<22}{r.quantization:<16}{r.structured:<13}{r.lora:<10}{r.output_tps:>11.1f}"
             f"{r.total_tps:>13.1f}"
             f"{r.seconds:>9.2f}{r.steps:>7}{r.ms_per_step:>9.2f}{r.weight_bytes / 2**20:>13.1f}"
             f"{r.quantize_seconds:>9.2f}"
