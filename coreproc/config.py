@@ -175,7 +175,15 @@ class ParallelConfig:
     nnodes: int = option("hosts the workers span (mp backend)", 1)
     node_rank: int = option("this host's rank among --nnodes (0: the head, with the core)", 0)
     master_addr: str | None = option("the head's address other nodes reach (multi-node)", None)
-    master_port: int | None = option("the head's rendezvous port (multi-node)", None)
+    master_port: int | None = option(
+        "the head's rendezvous port (multi-node; the other nodes' workers also connect to PORT + 1)", None
+    )
+    curve_keys: str | None = option(
+        "directory from `ember keygen`, copied to every node: CurveZMQ keys for the head's link to the "
+        "other nodes' workers (required off loopback); `ember core` also requires them of its clients",
+        None,
+        metavar="DIR",
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
@@ -189,6 +197,8 @@ class ParallelConfig:
                 raise ConfigError(RAY_MISSING)
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("node_rank must be in [0, nnodes)")
+        if self.nnodes > 1:
+            self._check_nodes()
         if self.pp_layer_partition is not None:
             self._partition()  # well-formed here; against the model's layer count in `stage_layers`
 
@@ -196,6 +206,43 @@ class ParallelConfig:
     def world_size(self) -> int:
         """Workers of one engine: every pipeline stage's tensor-parallel ranks."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_nodes(self) -> None:
+        """Several nodes (mp backend): each holds the same number of whole ranks of one engine."""
+        nodes = f"--nnodes {self.nnodes}"
+        if self.distributed_executor_backend != "mp":
+            raise ConfigError(f"{nodes} is for the mp backend; Ray places its workers itself")
+        if not self.master_addr or not self.master_port:
+            raise ConfigError(f"{nodes} needs --master-addr and --master-port (the head's address and port)")
+        if not 0 < self.master_port < 65535:
+            raise ConfigError(f"--master-port {self.master_port} must leave PORT + 1 for the workers' link")
+        if self.world_size % self.nnodes:
+            raise ConfigError(
+                f"{nodes} must divide the {self.world_size} workers (tensor x pipeline parallel size) evenly"
+            )
+        if self.data_parallel_size > 1:
+            raise ConfigError(f"{nodes} with --data-parallel-size > 1 is not supported in this version")
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Workers of the engine on each node (global ranks node * ranks_per_node onwards)."""
+        return self.world_size // self.nnodes
+
+    def node_of(self, rank: int) -> int:
+        """The node holding global rank `rank`."""
+        return rank // self.ranks_per_node
+
+    def node_ranks(self, node: int | None = None) -> range:
+        """The global ranks on `node` (default: this node)."""
+        node = self.node_rank if node is None else node
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    @property
+    def node_endpoint(self) -> str:
+        """Where the head's core listens for the workers of the other nodes: master address, port + 1."""
+        host = self.master_addr or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return f"tcp://{host}:{(self.master_port or 0) + 1}"
 
     @property
     def workers_per_host(self) -> int:

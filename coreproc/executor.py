@@ -5,7 +5,9 @@ Runs in the scheduler process. Both executors have the same calls: `submit(step)
 step N runs. `InprocExecutor` holds one worker in this process (the offline engine, tests).
 `MultiprocExecutor` spawns one worker process per rank (pipeline stage x tensor-parallel rank), talks
 to them over a ZeroMQ ROUTER socket in the launch's private runtime directory, keeps up to one step
-per pipeline stage in flight, and notices a dead worker within a poll interval.
+per pipeline stage in flight, and notices a dead worker within a poll interval. With `--nnodes N` it
+starts only the head's ranks; the other nodes' ranks (`ember worker --headless`) reach it through
+`coreproc.node_link.NodeLink` (TCP, CurveZMQ, heartbeats), and a lost node is a dead worker.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import msgspec
 import zmq
 
 from coreproc.config import EngineConfig
-from coreproc.errors import EmberError, WorkerError
+from coreproc.errors import ConfigError, EmberError, WorkerError
 from coreproc.ipc import Codec, ipc_endpoint
+from coreproc.node_link import NodeLink
 from coreproc.protocol import (
     FROM_WORKER,
     RunnerOutput,
@@ -33,6 +36,7 @@ from coreproc.protocol import (
     StepRequest,
     StepResult,
     WorkerFailed,
+    WorkerHello,
     WorkerReady,
 )
 from coreproc.startup.spawn import spawn_worker
@@ -40,6 +44,7 @@ from coreproc.startup.spawn import spawn_worker
 log = logging.getLogger("ember.executor")
 
 POLL_MS = 100
+LOST_PEER_WAIT_MS = 500  # how long a worker's failure waits for the news of a lost node
 
 
 class Executor(Protocol):
@@ -86,6 +91,10 @@ class MultiprocExecutor:
 
     def __init__(self, config: EngineConfig, runtime_dir: Path, ready_timeout: float = 600.0) -> None:
         par = config.parallel
+        if par.node_rank != 0:
+            raise ConfigError(
+                f"node rank {par.node_rank} runs `ember worker --headless`; the engine runs on node rank 0"
+            )
         self.size = par.world_size
         self.depth = par.pipeline_parallel_size  # steps in flight at most
         self.output_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
@@ -97,6 +106,8 @@ class MultiprocExecutor:
         self.codec = Codec(FROM_WORKER)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
+        self.link: NodeLink | None = None  # the other nodes' ranks, with --nnodes > 1
+        self._sock_of: dict[bytes, zmq.Socket] = {}  # identity -> the socket that reaches it
         self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
         self._tick: Callable[[], object] | None = None
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
@@ -106,8 +117,17 @@ class MultiprocExecutor:
         self._done: dict[int, set[int]] = {}  # step id -> ranks that answered it
         self._outputs: dict[int, RunnerOutput] = {}  # step id -> the output rank's answer
         config_json = msgspec.json.encode(config)
+        self._sock_of = {identity: self.sock for identity in self.identities}
         try:
-            for rank in range(self.size):
+            if par.nnodes > 1:
+                self.link = NodeLink(self.ctx, config)
+                self._poller.register(self.link.sock, zmq.POLLIN)
+                self._poller.register(self.link.monitor, zmq.POLLIN)
+                self._sock_of |= {self.identities[r]: self.link.sock for r in self.link.remote}
+                log.info(
+                    "waiting for %d ranks of other nodes on %s", len(self.link.remote), self.link.endpoint
+                )
+            for rank in par.node_ranks(0):
                 argv = ["--rank", str(rank), "--endpoint", endpoint, "--runtime-dir", str(runtime_dir)]
                 argv += ["--parent-pid", str(os.getpid())]
                 self.procs.append(spawn_worker(config, argv, config_json))
@@ -140,12 +160,24 @@ class MultiprocExecutor:
     def _recv(self, timeout_ms: int) -> object | None:
         """One message from any worker, or None; raises WorkerError on failure or death."""
         events = dict(self._poller.poll(timeout_ms))
+        if self.link is not None and self.link.monitor in events:
+            self.link.check()
         if self._side is not None and self._side[0] in events:
             self._side[1]()
+        msg: object = None
         if self.sock in events:
             _, *frames = self.sock.recv_multipart()
             msg = self.codec.decode(frames)
+        elif self.link is not None and self.link.sock in events:
+            _, *parts = self.link.sock.recv_multipart(copy=False)
+            msg = self.codec.decode(parts)
+            if isinstance(msg, WorkerHello):
+                self.link.hello(msg, parts[-1].get("Peer-Address"))
+                return None
+        if msg is not None:
             if isinstance(msg, WorkerFailed):
+                if self.link is not None and not msg.user_error:  # a lost node fails its peers' collectives:
+                    self.link.check(LOST_PEER_WAIT_MS)  # name the node, not the peer's error
                 if msg.user_error:  # the worker refused what it was given: say so, in the user's words
                     raise EmberError(f"worker {msg.rank}: {msg.error}")
                 raise WorkerError(f"worker {msg.rank} failed: {msg.error}")
@@ -154,6 +186,8 @@ class MultiprocExecutor:
         return None
 
     def check_alive(self) -> None:
+        if self.link is not None:
+            self.link.check()
         for rank, p in enumerate(self.procs):
             code = p.poll()
             if code is not None:
@@ -164,7 +198,7 @@ class MultiprocExecutor:
         self._step += 1
         kind, body = self.codec.encode(StepRequest(self._step, scheduler_output))
         for identity in self.identities:
-            self.sock.send_multipart([identity, kind, body], copy=False)
+            self._sock_of[identity].send_multipart([identity, kind, body], copy=False)
         self._pending.append(self._step)
         self._done[self._step] = set()
 
@@ -188,10 +222,11 @@ class MultiprocExecutor:
     def shutdown(self) -> None:
         """Ask workers to exit, then make sure they did (no orphans)."""
         kind, body = self.codec.encode(Shutdown())
-        for identity, p in zip(self.identities, self.procs):
-            if p.poll() is None:
+        local = dict(zip(self.identities, self.procs))
+        for identity, sock in self._sock_of.items():
+            if identity not in local or local[identity].poll() is None:
                 try:
-                    self.sock.send_multipart([identity, kind, body], flags=zmq.NOBLOCK)
+                    sock.send_multipart([identity, kind, body], flags=zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
         deadline = time.monotonic() + 5.0
@@ -202,6 +237,8 @@ class MultiprocExecutor:
                 p.kill()
                 p.wait(5.0)
         self.sock.close(0)
+        if self.link is not None:
+            self.link.close()
         self.ctx.term()
 
 

@@ -2,8 +2,8 @@
 
 Runs in every process that has a socket. `Codec` frames protocol messages as [kind byte, msgpack body]
 and decodes only the kinds allowed on its socket (no pickle anywhere). Also: the private runtime
-directory for IPC endpoints (mode 0700, one per launch), loopback checks, and CurveZMQ key handling
-for TCP endpoints that are reachable from other hosts.
+directory for IPC endpoints (mode 0700, one per launch), loopback checks, CurveZMQ key handling
+for TCP endpoints that are reachable from other hosts, and ZMTP heartbeats for links between hosts.
 """
 
 from __future__ import annotations
@@ -132,3 +132,27 @@ def apply_curve_client(sock: zmq.Socket, server_public_key: Path, client_secret_
     sock.curve_serverkey = server_public
     sock.curve_publickey = public
     sock.curve_secretkey = secret
+
+
+def apply_curve_client_dir(sock: zmq.Socket, keys_dir: Path) -> None:
+    """Authenticate a client socket with an `ember keygen` directory: its client key pair and the
+    server's public key."""
+    server, client = keys_dir / "server.key", keys_dir / "client.key_secret"
+    if not server.is_file() or not client.is_file():
+        raise EmberError(f"{keys_dir} lacks server.key or client.key_secret (see `ember keygen`)")
+    apply_curve_client(sock, server, client)
+
+
+HEARTBEAT_INTERVAL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 3000
+
+
+def apply_heartbeat(
+    sock: zmq.Socket, interval_ms: int = HEARTBEAT_INTERVAL_MS, timeout_ms: int = HEARTBEAT_TIMEOUT_MS
+) -> None:
+    """ZMTP heartbeats on a TCP link between hosts: PING every `interval_ms`; a peer silent for
+    `timeout_ms` (a dead host, a cut link: no FIN ever comes) has its connection dropped, which a
+    socket monitor reports as EVENT_DISCONNECTED. The peer is told to drop us after the same time."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, timeout_ms)

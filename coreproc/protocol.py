@@ -453,6 +453,15 @@ class StepResult(msgspec.Struct, array_like=True, gc=False):
     output: RunnerOutput
 
 
+class WorkerHello(msgspec.Struct, kw_only=True):
+    """Sent once by each rank of another node (`ember worker --headless`) as soon as it connects, before
+    it loads: the core learns which connection is which rank, and checks the node's engine flags."""
+
+    rank: int
+    node_rank: int
+    config: bytes  # the node's EngineConfig as JSON (compared with the head's, paths aside)
+
+
 class WorkerFailed(msgspec.Struct, array_like=True):
     rank: int
     error: str
@@ -483,6 +492,8 @@ class Fingerprint(msgspec.Struct, kw_only=True, frozen=True):
     engine_version: str
     device: str  # CUDA: the GPU UUID; CPU: the host's machine id and boot id
     role: str = "target"  # or "draft"
+    nnodes: int = 1  # the global placement: nodes the engine spans, and the node holding this rank
+    node_rank: int = 0
 
 
 class CacheRequest(msgspec.Struct, kw_only=True):
@@ -558,6 +569,7 @@ KIND_OF: dict[type, bytes] = {
     WorkerReady: b"\x31",
     StepResult: b"\x32",
     WorkerFailed: b"\x33",
+    WorkerHello: b"\x34",
     CoreReady: b"\x41",
     DaemonReady: b"\x42",
     CacheRequest: b"\x51",
@@ -570,4 +582,4 @@ TYPE_OF: dict[bytes, type] = {kind: t for t, kind in KIND_OF.items()}
 TO_CORE = (SubmitRequests, AbortRequests, UtilityCall)
 TO_CLIENT = (OutputBatch, UtilityResult, EngineDead)
 TO_WORKER = (StepRequest, Shutdown)
-FROM_WORKER = (WorkerReady, StepResult, WorkerFailed)
+FROM_WORKER = (WorkerReady, StepResult, WorkerFailed, WorkerHello)

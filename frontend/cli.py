@@ -99,13 +99,22 @@ def cmd_core(args: argparse.Namespace) -> int:
         remove_runtime_dir(runtime_dir)
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from coreproc.config import EngineConfig
+    from coreproc.startup.headless import run_headless
+
+    return run_headless(EngineConfig.create(**engine_options(args)))
+
+
 def cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from coreproc.ipc import generate_curve_keys
 
     server, client = generate_curve_keys(Path(args.directory))
-    print(f"server secret key: {server} (give the directory to `ember core --curve-keys`)")
+    print(
+        f"server secret key: {server} (give the directory to --curve-keys of `ember core` or of every node)"
+    )
     print(f"client secret key: {client}; server public key: {server.with_suffix('.key')}")
     return 0
 
@@ -223,15 +232,23 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path); with -dp D, D addresses "
         "comma-separated, or one tcp://HOST:PORT (rank r on PORT + r)",
     )
-    core.add_argument(
-        "--curve-keys", default=None, help="directory from `ember keygen` (required off loopback)"
-    )
     core.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period on SIGTERM (s)")
     core.add_argument(
         "--client-timeout", type=float, default=10.0, help="abort requests of clients silent this long (s)"
     )
     add_engine_arguments(core)
     core.set_defaults(func=cmd_core)
+
+    wk = sub.add_parser("worker", help="run this node's workers of an engine whose core runs on node 0")
+    wk.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    wk.add_argument(
+        "--headless",
+        action="store_true",
+        required=True,
+        help="no core or API here: the ranks of --node-rank connect to the head at --master-addr",
+    )
+    add_engine_arguments(wk)
+    wk.set_defaults(func=cmd_worker)
 
     pre = sub.add_parser("preload", help="keep processed weights in memory for fast engine restarts")
     if want("preload"):

@@ -75,6 +75,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "node_rank": ("1", 1),
     "master_addr": ("10.0.0.1", "10.0.0.1"),
     "master_port": ("29511", 29511),
+    "curve_keys": ("/keys", "/keys"),
     "device": ("cpu", "cpu"),
     "attention_backend": ("triton", "triton"),
     "load_format": ("ipc_cache", "ipc_cache"),
@@ -135,8 +136,11 @@ def test_each_keyword_lands_in_its_field(keyword: str, monkeypatch: pytest.Monke
         monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent / "plugins"))
     if keyword == "data_parallel_rank":
         extra["data_parallel_size"] = 2
-    if keyword == "node_rank":
-        extra["nnodes"] = 2
+    if keyword in ("nnodes", "node_rank"):  # several nodes need the head's address and whole ranks each
+        extra |= {"nnodes": 2, "master_addr": "10.0.0.1", "master_port": 29511, "tensor_parallel_size": 2}
+        extra.pop(keyword, None)
+    if keyword == "pp_layer_partition":
+        extra["pipeline_parallel_size"] = 2
     if keyword == "max_num_active_seqs":
         extra["max_num_seqs"] = 8
     if keyword == "lora_modules":

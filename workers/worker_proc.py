@@ -2,12 +2,15 @@
 
 Started by the core's `MultiprocExecutor` as `python -m workers.worker_proc` with the engine config
 as JSON on stdin (no pickle, no re-import of the caller's main module). It joins the engine's process group
-(gloo on CPU, NCCL on CUDA; a file rendezvous in the launch's private runtime directory, or
-MASTER_ADDR/MASTER_PORT when set for multi-host), loads its shard of the model, sends `WorkerReady`,
-then runs every `StepRequest` it receives and answers `StepResult` (the last stage's TP rank 0 carries
-the sampled tokens; other ranks answer empty so the core knows they finished). Pipeline stages pass
+(gloo on CPU, NCCL on CUDA; a file rendezvous in the launch's private runtime directory, MASTER_ADDR/
+MASTER_PORT when set, or the head's --master-addr/--master-port across nodes), loads its shard of the
+model, sends `WorkerReady`, then runs every `StepRequest` it receives and answers `StepResult` (the last
+stage's TP rank 0 carries the sampled tokens; other ranks answer empty so the core knows they
+finished). Pipeline stages pass
 hidden states to each other directly (workers/parallel.py `PPGroup`), not through the core. Any error
-is reported as `WorkerFailed`. It exits on `Shutdown`, or on its own when the core process disappears.
+is reported as `WorkerFailed`. It exits on `Shutdown`, or on its own when the core process disappears
+(a rank of another node, started by `ember worker --headless`: when its link to the head drops, see
+workers/head_link.py).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import msgspec
@@ -29,16 +34,22 @@ from coreproc.errors import EmberError
 from coreproc.ipc import Codec
 from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
 from coreproc.startup import boot
+from workers.head_link import connect_head, interface_towards, is_remote
 from workers.parallel import PPGroup, TPGroup
 
 log = logging.getLogger("ember.worker")
 
 PARENT_CHECK_MS = 500
+NODES_TIMEOUT_S = 300  # across nodes: the rendezvous, and any collective a lost peer never joins
 
 
 def rendezvous(config: EngineConfig, runtime_dir: Path) -> str:
-    """Where the ranks of one engine meet: env:// when MASTER_ADDR is set, else a file in the launch's
-    private runtime directory (one host)."""
+    """Where the ranks of one engine meet: the head's master address and port across nodes, env:// when
+    MASTER_ADDR is set, else a file in the launch's private runtime directory (one host)."""
+    par = config.parallel
+    if par.nnodes > 1:
+        host = f"[{par.master_addr}]" if ":" in (par.master_addr or "") else par.master_addr
+        return f"tcp://{host}:{par.master_port}"
     if os.environ.get("MASTER_ADDR"):
         return "env://"
     return f"file://{runtime_dir / 'tp-rendezvous'}"
@@ -72,7 +83,16 @@ def init_distributed(config: EngineConfig, rank: int, init_method: str) -> tuple
         from workers.weight_cache.fingerprint import device_index
 
         torch.cuda.set_device(device_index(config, rank))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    if par.nnodes == 1:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    else:  # gloo must use the interface that reaches the head, not the one the host name resolves to
+        ifname = interface_towards(par.master_addr or "")
+        if backend == "gloo" and ifname and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        timeout = timedelta(seconds=NODES_TIMEOUT_S)
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
+        )
     if par.pipeline_parallel_size == 1:
         return TPGroup(rank=tp_rank, size=tp_size, group=dist.group.WORLD), pp
     groups = [
@@ -106,7 +126,11 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"w{rank}".encode())
     sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(endpoint)
+    stopping = threading.Event()  # set before a deliberate exit: the head watchdog stands down
+    if is_remote(config, rank):
+        connect_head(sock, config, rank, stopping)
+    else:
+        sock.connect(endpoint)
     codec = Codec(TO_WORKER)
     # watch the core by pidfd: a worker forked by the zygote is not the core's child
     core = os.pidfd_open(parent_pid)
@@ -151,6 +175,7 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
         )
         code = 1
     finally:
+        stopping.set()
         sock.close()
         ctx.term()
     os._exit(code)

@@ -4,7 +4,8 @@ Runs in preload daemons and engine workers. The checkpoint's identity is a sha25
 names, raw safetensors headers (names, dtypes, shapes, offsets) or a GGUF file's whole header, and a
 few small samples of the data, so it does not read the weights and does not depend on the folder's
 path. The device identity is the GPU UUID on CUDA and the host's machine id plus boot id on CPU
-(shared memory does not survive a reboot). Also here: socket paths and the private socket
+(shared memory does not survive a reboot). The global placement counts too: the rank, and across
+nodes the number of nodes and the node holding the rank. Also here: socket paths and the private socket
 directory's safety checks.
 """
 
@@ -62,13 +63,18 @@ def config_hash(model_dir: str) -> str:
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
 
 
+def local_placement(config: EngineConfig, rank: int) -> int:
+    """A worker's place among the workers on its node: DP rank d, global rank g (stage * tp_size + TP
+    rank) -> d * ranks_per_node + g's index on its node (several nodes: g minus the node's first rank)."""
+    par = config.parallel
+    return par.data_parallel_rank * par.ranks_per_node + rank % par.ranks_per_node
+
+
 def device_index(config: EngineConfig, rank: int) -> int:
-    """The GPU of a worker: DP rank d, global rank g (stage * tp_size + TP rank) -> d * world_size + g
-    (modulo the GPUs present)."""
+    """The GPU of a worker: its place on its node (`local_placement`), modulo the GPUs present."""
     import torch
 
-    placement = config.parallel.data_parallel_rank * config.parallel.world_size + rank
-    return placement % max(1, torch.cuda.device_count())
+    return local_placement(config, rank) % max(1, torch.cuda.device_count())
 
 
 def device_identity(device_type: str, index: int = 0) -> str:
@@ -115,6 +121,8 @@ def fingerprint(config: EngineConfig, tp_rank: int, device: str, role: str = "ta
         engine_version=engine_version(),
         device=device,
         role=role,
+        nnodes=config.parallel.nnodes,
+        node_rank=config.parallel.node_of(tp_rank),
     )
 
 

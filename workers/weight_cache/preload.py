@@ -5,7 +5,8 @@ symlink), starts the daemons (`python -m workers.weight_cache.daemon`, config as
 for every `DaemonReady` (if one fails or dies while starting, it stops them all and exits with the
 reason), then serves `GET /health` on a loopback port (200 only when every rank is ready and none has
 died) until SIGTERM/SIGINT. `ember preload --wait` only waits until the daemons of the same placement
-answer, for deployment scripts.
+answer, for deployment scripts. With `--nnodes N --node-rank R` (the engine's flags) it starts only
+the ranks node R holds.
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ def socket_dir(args: argparse.Namespace) -> Path:
 
 
 def placements(config: EngineConfig, draft: EngineConfig | None, directory: Path) -> list[Placement]:
-    from workers.weight_cache.fingerprint import device_identity, socket_path
+    from workers.weight_cache.fingerprint import device_identity, local_placement, socket_path
 
     out = []
     par = config.parallel
     for dp_rank in range(par.data_parallel_size):
-        for tp_rank in range(par.tensor_parallel_size):
+        for tp_rank in par.node_ranks():  # this node's (all of them on one node)
             for role, cfg in (("target", config), ("draft", draft)):
                 if cfg is None:
                     continue
@@ -75,7 +76,7 @@ def placements(config: EngineConfig, draft: EngineConfig | None, directory: Path
                     cfg, parallel=dataclasses.replace(cfg.parallel, data_parallel_rank=dp_rank)
                 )
                 device = cfg.device.resolved_type
-                index = _cuda_index(dp_rank * par.world_size + tp_rank) if device == "cuda" else 0
+                index = _cuda_index(local_placement(ranked, tp_rank)) if device == "cuda" else 0
                 ident = device_identity(device, index)
                 out.append(
                     Placement(role, ranked, tp_rank, socket_path(directory, ident, dp_rank, tp_rank, role))
