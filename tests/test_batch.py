@@ -366,3 +366,18 @@ def test_offline_api_respects_queue_limits(ckpt, llm):
         got = [o.outputs[0].text for o in tight.generate(prompts, greedy, use_tqdm=False)]
         assert tight.stats().num_blocks_in_use == 0
     assert got == [o.outputs[0].text for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+
+def test_two_data_parallel_engines_give_the_same_records(ckpt, tmp_path):
+    """`ember batch -dp 2`: the file's requests spread over two engines, each record as one engine's
+    (greedy), nothing lost or duplicated."""
+    items = [completion(f"c{i}", prompt=f"item {i}: def f(x):", **GREEDY) for i in range(12)]
+    items.append(completion("n2", prompt="import os\n", n=2, max_tokens=6, temperature=0))
+    src = write_jsonl(tmp_path / "in.jsonl", items)
+    outs = {}
+    for dp in ("1", "2"):
+        out = tmp_path / f"out{dp}.jsonl"
+        assert main(["batch", "-i", str(src), "-o", str(out)] + engine_flags(ckpt, "-dp", dp)) == 0
+        outs[dp] = {cid: comparable(rec) for cid, rec in by_id(read_records(out)).items()}
+    assert set(outs["2"]) == {x["custom_id"] for x in items}
+    assert outs["2"] == outs["1"]

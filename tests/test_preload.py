@@ -74,7 +74,9 @@ def engine(model: str, sock: Path, **kw) -> LLM:
 
 
 def source(llm: LLM) -> tuple[str, str]:
-    ready = llm.engine.executor.ready[0]
+    """Where the weights came from (with data parallelism: the last engine's)."""
+    core = llm.engine.cores[-1] if isinstance(llm.engine, DPEngine) else llm.engine
+    ready = core.executor.ready[0]
     return ready.weight_source, ready.cache_fallback_reason
 
 
@@ -204,7 +206,7 @@ def test_unknown_and_incomplete_requests_are_answered(model, sockdir, daemon):
         ({"dtype": "bfloat16"}, "dtype"),
         ({"quantization": "int8"}, "quantization"),
         ({"revision": "v2"}, "revision"),
-        ({"data_parallel_size": 2, "data_parallel_rank": 1}, "no preload daemon"),
+        ({"data_parallel_size": 2}, "no preload daemon"),  # the daemons serve DP rank 0 only
     ],
 )
 def test_engine_falls_back_to_disk_with_the_reason(model, sockdir, daemon, kwargs, reason):
