@@ -23,9 +23,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from coreproc.config import RAY_MISSING, EngineConfig
+from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError, EmberError, WorkerError
 from coreproc.ipc import Codec
+from coreproc.parallel_config import RAY_MISSING
 from coreproc.protocol import (
     FROM_WORKER,
     RunnerOutput,

@@ -238,9 +238,7 @@ def test_killed_worker_of_one_core_fails_only_its_requests(llama) -> None:
         assert failed and finished and len(failed) + len(finished) == 16, results
         assert all("engine" in message for _, message, _ in failed)
         to_error = max(at for _, _, at in failed) - killed_at
-        print(
-            f"core 1's worker killed: {len(failed)} streams failed within {to_error:.2f} s, {len(finished)} finished"
-        )
+        print(f"core 1's worker killed: {len(failed)} failed in {to_error:.2f} s, {len(finished)} finished")
         assert to_error < 5.0, "errors reach the clients within 5 s"
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and "engine core 1 dead" in health.json()["reason"]
