@@ -330,3 +330,14 @@ def test_offline_llm_with_two_engines(llama, single, overlap) -> None:
         assert isinstance(llm.engine, DPEngine)
         assert all(e.routed > 0 and e.in_flight == 0 for e in llm.engine.router.engines)
         assert llm.stats().num_kv_blocks == sum(c.scheduler.kv.num_blocks for c in llm.engine.cores)
+
+
+@pytest.mark.e2e
+def test_pipeline_stages_in_each_data_parallel_engine(llama, single) -> None:
+    """-dp 2 x -pp 2: two engines of two stages each (four workers), a single engine's tokens."""
+    with LLM(
+        str(llama), dtype="float32", data_parallel_size=2, pipeline_parallel_size=2, show_progress=False
+    ) as llm:
+        outs = llm.generate(PROMPT_TEXTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.token_ids for o in single]
+        assert all(len(core.executor.procs) == 2 for core in llm.engine.cores)
