@@ -46,6 +46,7 @@ from coreproc.protocol import (
     OutputBatch,
     QueueFull,
     RefusalCode,
+    SchedulerStats,
     SubmitRequests,
     UtilityCall,
     UtilityMethod,
@@ -234,13 +235,19 @@ class CoreServer:
             if req.sampling_params.structured is None:
                 self._admitted.append(EngineOutput(req.request_id))
 
+    def stats(self) -> SchedulerStats:
+        """The engine's stats and how many requests this process still maps to a client."""
+        stats = self.engine.stats()
+        stats.num_client_requests = len(self.owner)
+        return stats
+
     def _utility(self, call: UtilityCall) -> UtilityResult:
         """Answer one `UtilityMethod`; anything else is refused with the list of methods. A failure is
         the error text: an `EmberError`'s own message (a user can fix it), else with its type."""
         args = call.args
         answers: dict[UtilityMethod, Callable[[], object]] = {
             "info": self.info,
-            "stats": self.engine.stats,
+            "stats": self.stats,
             "reset_prefix_cache": self.engine.reset_prefix_cache,
             "ping": lambda: True,  # a liveness probe that asked for an answer
             "load_lora": lambda: self.load_lora(_text_arg(args, "lora_name"), _text_arg(args, "lora_path")),

@@ -480,6 +480,7 @@ class Scheduler:
         return SchedulerStats(  # the engine adds its progress (`has_work`, `stalled`, ...)
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            num_requests=len(self.requests),
             num_queued_tokens=self.waiting.num_tokens,
             kv_usage=self.kv.usage,
             num_kv_blocks=self.kv.num_blocks,

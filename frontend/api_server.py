@@ -192,6 +192,7 @@ class Api:
                     if isinstance(stats, SchedulerStats) and self.api_server == 0:  # once, not per server
                         ctx.metrics.update_engine(stats, rank)
                 ctx.metrics.update_routed([e.routed for e in ctx.client.router.engines])
+                ctx.metrics.update_open(sum(len(c.streams) for c in ctx.client.clients))
             except EngineDeadError:
                 pass
             ctx.dead = ctx.client.dead  # every core gone

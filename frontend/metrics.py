@@ -54,6 +54,14 @@ _ENGINE_GAUGES = {
         "Share of looked-up prompt tokens found in the prefix cache since the engine started, 0 to 1.",
     ),
     "num_queued_tokens": ("ember_num_queued_prompt_tokens", "Prompt tokens of the requests waiting."),
+    "num_requests": (
+        "ember_num_requests_held",
+        "Requests the engine core's scheduler holds (running, waiting or in flight); 0 when idle.",
+    ),
+    "num_client_requests": (
+        "ember_num_client_requests",
+        "Requests the engine core still maps to a client connection; 0 when idle.",
+    ),
     "spec_acceptance_rate": (
         "ember_spec_decode_acceptance_rate",
         "Speculative decoding: accepted / proposed tokens since the engine started.",
@@ -156,6 +164,13 @@ class EngineMetrics:
             engine,
             registry=reg,
         )
+        self._open = Gauge(
+            "ember_frontend_open_requests",
+            "Engine requests this frontend is streaming (all API server processes added up); 0 when idle.",
+            labels,
+            registry=reg,
+            multiprocess_mode="livesum",
+        ).labels(model_name)
         self._served = Counter(
             "ember_api_server_requests",
             "Requests admitted by each HTTP frontend process (--api-server-count).",
@@ -200,6 +215,10 @@ class EngineMetrics:
             if delta > 0:
                 counter.labels(self.model_name, rank).inc(delta)
             self._last_cumulative[key, engine] = value
+
+    def update_open(self, count: int) -> None:
+        """How many engine requests this process is streaming now."""
+        self._open.set(count)
 
     def update_routed(self, routed: list[int]) -> None:
         """Mirror the router's per-core count of requests sent (cumulative)."""
