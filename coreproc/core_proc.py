@@ -30,7 +30,7 @@ from coreproc.engine import EngineCore
 from coreproc.errors import EmberError
 from coreproc.executor import MultiprocExecutor, WorkerError, make_executor
 from coreproc.host import engine_version
-from coreproc.ipc import Codec, CurveServer, is_loopback_endpoint
+from coreproc.ipc import Codec, CurveServer, bind, check_private_dir, is_loopback_endpoint
 from coreproc.mm_store import MultiModalCacheMiss
 from coreproc.protocol import (
     KIND_OF,
@@ -78,6 +78,7 @@ class CoreServer:
             raise EmberError(
                 f"{listen} is reachable from other hosts: give --curve-keys DIR (see `ember keygen`)"
             )
+        check_private_dir(runtime_dir)  # the workers' socket goes there
         self.config = config
         self.shutdown_timeout = shutdown_timeout
         self.eos_ids = list(config.model.eos_token_ids)
@@ -104,7 +105,7 @@ class CoreServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, config.limits.max_submit_bytes + 2**20)  # + framing slack
         if self.curve is not None:
             self.curve.apply(self.sock)
-        self.sock.bind(listen)
+        bind(self.sock, listen)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.codec = Codec(TO_CORE)
         executor = make_executor(config, runtime_dir)  # worker processes, or Ray actors

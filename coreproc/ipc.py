@@ -2,8 +2,9 @@
 
 Runs in every process that has a socket. `Codec` frames protocol messages as [kind byte, msgpack body]
 and decodes only the kinds allowed on its socket (no pickle anywhere). Also: the private runtime
-directory for IPC endpoints (mode 0700, one per launch), loopback checks, CurveZMQ key handling
-for TCP endpoints that are reachable from other hosts, and ZMTP heartbeats for links between hosts.
+directory for IPC endpoints (mode 0700, one per launch, checked), `bind` (ipc socket files 0600),
+loopback checks, CurveZMQ key handling for TCP endpoints that are reachable from other hosts, and
+ZMTP heartbeats for links between hosts.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import ipaddress
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,54 @@ def make_runtime_dir() -> Path:
     base = base if base and os.access(base, os.W_OK) else None
     path = Path(tempfile.mkdtemp(prefix="ember-", dir=base))
     path.chmod(0o700)
+    check_private_dir(path)
     return path
+
+
+def check_private_dir(path: Path) -> None:
+    """EmberError unless `path` is a real directory (not a symlink) owned by us with mode 0700."""
+    try:
+        info = os.lstat(path)
+    except OSError as e:
+        raise EmberError(f"runtime directory {path}: {e.strerror}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise EmberError(f"runtime directory {path} is not a real directory")
+    if info.st_uid != os.getuid():
+        raise EmberError(f"runtime directory {path} is owned by uid {info.st_uid}, not by us ({os.getuid()})")
+    if info.st_mode & 0o077:
+        raise EmberError(f"runtime directory {path} has mode {oct(info.st_mode & 0o777)}; want 0700")
+
+
+def bind(sock: zmq.Socket, endpoint: str) -> None:
+    """`sock.bind(endpoint)`; an ipc:// socket file is made 0600 at once (zmq leaves it to the umask:
+    0755, or 0775 under umask 002, which lets the group connect). Its directory must belong to us (or
+    root) and be writable by nobody else, unless sticky (/tmp): else another user could swap the file."""
+    path = ipc_path(endpoint)
+    if path is not None:
+        check_socket_parent(path.parent)
+    sock.bind(endpoint)
+    if path is not None:
+        os.chmod(path, 0o600)
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    """The socket file of an ipc:// endpoint (None for other transports and abstract names)."""
+    if not endpoint.startswith("ipc://") or endpoint.startswith("ipc://@"):
+        return None
+    return Path(endpoint[len("ipc://") :])
+
+
+def check_socket_parent(directory: Path) -> None:
+    """EmberError unless another user can neither own `directory` nor replace files in it."""
+    try:
+        info = os.stat(directory)
+    except OSError as e:
+        raise EmberError(f"socket directory {directory}: {e.strerror}") from None
+    if info.st_uid not in (os.getuid(), 0):
+        raise EmberError(f"socket directory {directory} is owned by uid {info.st_uid}, not by us or root")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        mode = oct(info.st_mode & 0o777)
+        raise EmberError(f"socket directory {directory} is writable by other users (mode {mode})")
 
 
 def remove_runtime_dir(path: Path) -> None:

@@ -36,6 +36,7 @@ class Option:
     metavar: str | None = None
     hidden: bool = False  # set by Ember's own tools (e.g. `ember snapshot`), not shown in --help
     dest: str = ""  # argparse destination; default: the keyword
+    repeat: bool = False  # a tuple option that adds up: --flag A --flag B (and --flag A B)
 
 
 def option(
@@ -114,6 +115,8 @@ def _argparse_kwargs(s: Setting) -> dict[str, Any]:
     if typing.get_origin(base) is Literal:
         kw["choices"] = list(typing.get_args(base))
         kw["type"] = type(kw["choices"][0])
+    elif typing.get_origin(base) is tuple and s.option.repeat:
+        kw.update(action="extend", nargs="+", default=list(s.default))
     elif typing.get_origin(base) is tuple:
         kw["nargs"] = "*"
     elif base in (int, float, str):

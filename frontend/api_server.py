@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import time
@@ -99,16 +100,27 @@ PROTECTED = ("/v1", "/reset_prefix_cache")  # paths that need the API key (when 
 
 
 class ApiKey:
-    """Requires `Authorization: Bearer <key>` on /v1 routes and admin routes."""
+    """Requires `Authorization: Bearer <key>` (any of the keys) on /v1 routes and admin routes. The token
+    is hashed once and its digest compared with every key's, without stopping at a match: the time
+    taken tells neither which key matched nor how much of one."""
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app, self.key = app, key.encode()
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        assert keys, "ApiKey needs at least one key"
+        self.app = app
+        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def allows(self, token: bytes) -> bool:
+        digest = hashlib.sha256(token).digest()
+        matched = 0
+        for key in self.digests:
+            matched |= hmac.compare_digest(digest, key)
+        return bool(matched)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            if not self.allows(token.strip()) or scheme.lower() != b"bearer":
                 err = RequestError("invalid or missing API key", status=401, err_type="authentication_error")
                 return await error_response(err)(scope, receive, send)
         await self.app(scope, receive, send)
@@ -459,7 +471,7 @@ def build_app(
         ]
     middleware = [Middleware(BodyLimit, limit=cfg.max_request_bytes)]
     if cfg.api_key:
-        middleware.append(Middleware(ApiKey, key=cfg.api_key))
+        middleware.append(Middleware(ApiKey, keys=cfg.api_key))
     if cfg.allowed_origins:
         middleware.insert(
             0,

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +38,8 @@ from frontend.api_servers import (
     use_shared_metrics,
 )
 from frontend.canary import canary_request, canary_result
-from frontend.server_config import add_server_arguments, server_config
+from frontend.server_config import ServerConfig, add_server_arguments, server_config
+from frontend.server_security import exposure_warning
 from frontend.snapshot_manifest import write_json_atomic
 
 if TYPE_CHECKING:
@@ -120,8 +122,12 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                 try:
                     app = build_app(cores.addresses, config.model.model, cfg, tokenizer)
                     servers = f" ({count} API server processes)" if count > 1 else ""
-                    print(f"ember serve: listening on http://{host}:{port}{servers}", flush=True)
-                    _uvicorn_server(uvicorn, app, args.shutdown_timeout).run(sockets=[sock])
+                    warning = exposure_warning(host, bool(cfg.api_key))
+                    if warning:
+                        print(warning, file=sys.stderr, flush=True)
+                    scheme = "https" if cfg.tls else "http"
+                    print(f"ember serve: listening on {scheme}://{host}:{port}{servers}", flush=True)
+                    _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout).run(sockets=[sock])
                 finally:
                     stop_children(children, args.shutdown_timeout)
     finally:
@@ -141,14 +147,21 @@ def run_child(args: argparse.Namespace, config: EngineConfig, spec: dict[str, An
     uvicorn, build_app, tokenizer = prepare_http(config.model.tokenizer)
     app = build_app(spec["addresses"], config.model.model, cfg, tokenizer, api_server=spec["index"])
     print(f"ember serve: API server {spec['index']} listening", flush=True)
-    _uvicorn_server(uvicorn, app, args.shutdown_timeout).run(sockets=[sock])
+    _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout).run(sockets=[sock])
     return 0
 
 
-def _uvicorn_server(uvicorn: Any, app: Any, shutdown_timeout: float) -> Any:
+def _uvicorn_server(uvicorn: Any, app: Any, cfg: ServerConfig, shutdown_timeout: float) -> Any:
+    """uvicorn on uvloop; with --ssl-certfile it wraps the pre-bound socket in TLS."""
     level = logging.getLevelName(logging.getLogger().level).lower()
     return uvicorn.Server(
-        uvicorn.Config(app, loop="uvloop", log_level=level, timeout_graceful_shutdown=shutdown_timeout)
+        uvicorn.Config(
+            app,
+            loop="uvloop",
+            log_level=level,
+            timeout_graceful_shutdown=shutdown_timeout,
+            **cfg.uvicorn_ssl(),
+        )
     )
 
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ssl
 from dataclasses import dataclass, field
+from typing import Any
 
 from coreproc import options
 from coreproc.errors import ConfigError
 from coreproc.options import option
 from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
 from coreproc.text.media_config import MEDIA_SECTIONS, MediaConfig
+from frontend.server_security import check_keys, check_tls, read_key_file
 
 
 @dataclass(frozen=True)
@@ -23,7 +26,23 @@ class ServerConfig:
     host: str = option("address to bind (loopback unless you say otherwise)", "127.0.0.1")
     port: int = option("TCP port (0 picks a free one)", 8000)
     served_model_name: str | None = option("model name in the API (default: the folder name)", None)
-    api_key: str | None = option("require this bearer key on /v1 routes", None)
+    api_key: tuple[str, ...] = option(
+        "require a bearer key on /v1 routes; repeat the flag for several keys (other users may see a "
+        "command line: prefer --api-key-file)",
+        (),
+        repeat=True,
+        metavar="KEY",
+    )
+    api_key_file: str | None = option(
+        "also accept the keys in this file: one a line, blank lines and # comments ignored; it must "
+        "not be readable by every user",
+        None,
+    )
+    ssl_keyfile: str | None = option("serve HTTPS: the private key (PEM), with --ssl-certfile", None)
+    ssl_certfile: str | None = option("serve HTTPS: the certificate chain (PEM), with --ssl-keyfile", None)
+    ssl_ca_certs: str | None = option(
+        "with TLS, require client certificates signed by one of these CAs (PEM bundle)", None
+    )
     allowed_origins: tuple[str, ...] = option("CORS origins (e.g. '*'; default: none)", ())
     max_request_bytes: int = option("largest request body (413 beyond)", 16 * 2**20)
     chat_template: str | None = option("a Jinja template file (or text) to override the model's", None)
@@ -47,6 +66,26 @@ class ServerConfig:
     features: ChatFeatures = field(default_factory=ChatFeatures)  # the `openai` flags
     media: MediaConfig = field(default_factory=MediaConfig)  # the `media` flags: image input
 
+    def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):  # ServerConfig(api_key="k"): one key, not one per character
+            object.__setattr__(self, "api_key", (self.api_key,))
+
+    @property
+    def tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    def uvicorn_ssl(self) -> dict[str, Any]:
+        """uvicorn.Config's TLS keywords (none without TLS)."""
+        if not self.tls:
+            return {}
+        reqs = ssl.CERT_REQUIRED if self.ssl_ca_certs else ssl.CERT_NONE
+        return {
+            "ssl_keyfile": self.ssl_keyfile,
+            "ssl_certfile": self.ssl_certfile,
+            "ssl_ca_certs": self.ssl_ca_certs,
+            "ssl_cert_reqs": reqs,
+        }
+
 
 SERVER_SECTIONS: tuple[tuple[str, type], ...] = (("server", ServerConfig), *FEATURE_SECTIONS, *MEDIA_SECTIONS)
 
@@ -56,6 +95,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server flags as a config, the key file read (its keys join --api-key's) and every security
+    flag checked: ConfigError (one line) before the port is taken and the model loads."""
     values = options.collect(args, SERVER_SECTIONS)
     features = ChatFeatures(**{f.name: values[f.name] for f in dataclasses.fields(ChatFeatures)})
     media = MediaConfig(**{f.name: values[f.name] for f in dataclasses.fields(MediaConfig)})
@@ -63,4 +104,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     cfg = ServerConfig(**{name: values[name] for name in names}, features=features, media=media)
     if cfg.api_server_count < 1:
         raise ConfigError("--api-server-count must be at least 1")
+    if cfg.api_key_file is not None:
+        cfg = dataclasses.replace(cfg, api_key=cfg.api_key + read_key_file(cfg.api_key_file))
+    check_keys(cfg.api_key)
+    check_tls(cfg.ssl_keyfile, cfg.ssl_certfile, cfg.ssl_ca_certs)
     return cfg

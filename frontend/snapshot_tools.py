@@ -179,8 +179,10 @@ def preflight(args: argparse.Namespace, tools: SnapshotTools) -> tuple[list[str]
     elif not version_at_least(have, MIN_CRIU):
         reasons.append(f"CRIU {have} is too old: {'.'.join(map(str, MIN_CRIU))} or newer is needed")
     reasons += [f"`{tool}` is not on PATH" for tool in ("setsid", "unshare") if not shutil.which(tool)]
-    if args.api_key:
+    if args.api_key or args.api_key_file:
         reasons.append("--api-key: a snapshot serves one plain unauthenticated HTTP server")
+    if args.ssl_keyfile or args.ssl_certfile or args.ssl_ca_certs:
+        reasons.append("--ssl-*: a restored snapshot serves plain HTTP (put a TLS proxy in front)")
     if args.snapshot_park:
         reasons.append("--snapshot-park is set by `ember snapshot create` itself")
     if args.api_server_count != 1:

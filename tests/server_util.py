@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -11,22 +12,25 @@ import time
 import httpx
 
 
-def start_server(model: str, *extra: str, name: str = "llama") -> tuple[subprocess.Popen, str]:
-    """`ember serve MODEL` on a free port; returns the process and its base URL once ready."""
+def start_server(
+    model: str, *extra: str, name: str = "llama", verify: ssl.SSLContext | bool = True
+) -> tuple[subprocess.Popen, str]:
+    """`ember serve MODEL` on a free port; returns the process and its base URL (http:// or https://)
+    once ready. `verify`: a context that trusts the certificate of a server with TLS."""
     cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
     cmd += ["--served-model-name", name, *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     lines = []
     while not (lines and "listening on" in lines[-1]) and proc.poll() is None:
         lines.append(proc.stdout.readline())
-    match = re.search(r"http://[\d.]+:\d+", lines[-1] if lines else "")
+    match = re.search(r"https?://[\d.]+:\d+", lines[-1] if lines else "")
     assert match, f"no address in {lines!r}"
     assert "weights float32" in "".join(lines), "the start-up line reports weight memory by dtype"
     url = match.group(0)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=2, verify=verify).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
             pass

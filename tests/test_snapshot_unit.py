@@ -153,6 +153,8 @@ def test_versions_and_differences() -> None:
         ([], "3.17.1", "CRIU 3.17.1 is too old"),
         ([], "", "CRIU is not installed"),
         (["--api-key", "k"], "4.1.1", "one plain unauthenticated HTTP server"),
+        (["--api-key-file", "/keys"], "4.1.1", "one plain unauthenticated HTTP server"),
+        (["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"], "4.1.1", "serves plain HTTP"),
         (["-tp", "2"], "4.1.1", "tensor, pipeline and data parallelism"),
         (["-pp", "2"], "4.1.1", "tensor, pipeline and data parallelism"),
         (["--api-server-count", "2"], "4.1.1", "one HTTP server process"),

@@ -26,7 +26,7 @@ import zmq
 
 from coreproc.config import EngineConfig
 from coreproc.errors import EmberError
-from coreproc.ipc import Codec, ipc_endpoint, make_runtime_dir, remove_runtime_dir
+from coreproc.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.protocol import CoreReady
 
 
@@ -61,7 +61,7 @@ class CoreProcess:
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(ready_endpoint)
+        bind(self._pull, ready_endpoint)
         cmd = [sys.executable, "-m", "coreproc.startup.boot", "core", "--listen", listen]
         cmd += ["--runtime-dir", str(self.runtime_dir), "--ready-endpoint", ready_endpoint]
         cmd += ["--shutdown-timeout", str(shutdown_timeout), "--parent-pid", str(os.getpid())]

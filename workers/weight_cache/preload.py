@@ -27,7 +27,7 @@ import zmq
 
 from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError
-from coreproc.ipc import Codec, ipc_endpoint, make_runtime_dir, remove_runtime_dir
+from coreproc.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.protocol import DaemonReady
 
 
@@ -115,7 +115,7 @@ class Launcher:
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.LINGER, 0)
         self.endpoint = ipc_endpoint(self.runtime, "preload")
-        self.pull.bind(self.endpoint)
+        bind(self.pull, self.endpoint)
 
     def start(self, timeout: float) -> None:
         env = dict(os.environ)
