@@ -26,7 +26,7 @@ import zmq
 
 from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError, EmberError, WorkerError
-from coreproc.ipc import Codec, ipc_endpoint
+from coreproc.ipc import Codec, ProtocolError, ipc_endpoint
 from coreproc.node_link import NodeLink
 from coreproc.protocol import (
     FROM_WORKER,
@@ -36,7 +36,6 @@ from coreproc.protocol import (
     StepRequest,
     StepResult,
     WorkerFailed,
-    WorkerHello,
     WorkerReady,
 )
 from coreproc.startup.spawn import spawn_worker
@@ -108,6 +107,7 @@ class MultiprocExecutor:
         self._poller.register(self.sock, zmq.POLLIN)
         self.link: NodeLink | None = None  # the other nodes' ranks, with --nnodes > 1
         self._sock_of: dict[bytes, zmq.Socket] = {}  # identity -> the socket that reaches it
+        self._local: dict[bytes, int] = {}  # identity -> rank, of the workers of this host
         self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
         self._tick: Callable[[], object] | None = None
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
@@ -128,6 +128,7 @@ class MultiprocExecutor:
                     "waiting for %d ranks of other nodes on %s", len(self.link.remote), self.link.endpoint
                 )
             for rank in par.node_ranks(0):
+                self._local[self.identities[rank]] = rank
                 argv = ["--rank", str(rank), "--endpoint", endpoint, "--runtime-dir", str(runtime_dir)]
                 argv += ["--parent-pid", str(os.getpid())]
                 self.procs.append(spawn_worker(config, argv, config_json))
@@ -166,14 +167,9 @@ class MultiprocExecutor:
             self._side[1]()
         msg: object = None
         if self.sock in events:
-            _, *frames = self.sock.recv_multipart()
-            msg = self.codec.decode(frames)
+            msg = self._receive_local()
         elif self.link is not None and self.link.sock in events:
-            _, *parts = self.link.sock.recv_multipart(copy=False)
-            msg = self.codec.decode(parts)
-            if isinstance(msg, WorkerHello):
-                self.link.hello(msg, parts[-1].get("Peer-Address"))
-                return None
+            msg = self.link.receive()
         if msg is not None:
             if isinstance(msg, WorkerFailed):
                 if self.link is not None and not msg.user_error:  # a lost node fails its peers' collectives:
@@ -184,6 +180,19 @@ class MultiprocExecutor:
             return msg
         self.check_alive()
         return None
+
+    def _receive_local(self) -> object | None:
+        """A message from a worker of this host. The socket is in the launch's private directory: a
+        frame that does not decode means a broken worker (WorkerError); one from a peer that is not
+        one of our ranks is dropped."""
+        identity, *frames = self.sock.recv_multipart()
+        if identity not in self._local:
+            log.warning("dropped a message from %r, which is not one of this engine's workers", identity)
+            return None
+        try:
+            return self.codec.decode(frames)
+        except ProtocolError as e:
+            raise WorkerError(f"worker {self._local[identity]} sent a malformed message: {e}") from None
 
     def check_alive(self) -> None:
         if self.link is not None:

@@ -5,8 +5,11 @@ ROUTER on the master address, port `--master-port` + 1, with CurveZMQ off loopba
 keys of the `--curve-keys` directory get in) and ZMTP heartbeats. Each remote rank connects a DEALER,
 sends `WorkerHello` (its rank, node and engine config, checked against ours) and then the same
 `WorkerReady` / `StepResult` / `WorkerFailed` as a local worker, and takes `StepRequest` / `Shutdown`.
-A socket monitor turns a dropped connection of a rank that said hello (its node died, its worker was
-killed, or the link was cut and the heartbeat timed out) into a `WorkerError` naming the node.
+Frames that do not decode, and messages from a connection that did not say hello, are logged and
+dropped (a stray peer cannot take the head down); a rank that said hello and then sends garbage is a
+broken worker (`WorkerError`). A socket monitor turns a dropped connection of a rank that said hello
+(its node died, its worker was killed, or the link was cut and the heartbeat timed out) into a
+`WorkerError` naming the node; other connections come and go unnoticed.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError, WorkerError
-from coreproc.ipc import CurveServer, apply_heartbeat, is_loopback_endpoint
-from coreproc.protocol import WorkerHello
+from coreproc.ipc import Codec, CurveServer, ProtocolError, apply_heartbeat, is_loopback_endpoint
+from coreproc.protocol import FROM_WORKER, WorkerHello
 
 log = logging.getLogger("ember.executor")
 
@@ -100,9 +103,36 @@ class NodeLink:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.peer_of_fd: dict[int, str] = {}  # accepted connection -> peer IP
         self.peer_of_rank: dict[int, str] = {}  # rank that said hello -> peer IP
+        self.fd_of_rank: dict[int, int] = {}  # rank that said hello -> its connection
+        self.codec = Codec(FROM_WORKER)
 
-    def hello(self, msg: WorkerHello, peer: str) -> None:
-        """A remote rank connected: check who it says it is and that its engine flags equal ours."""
+    def receive(self) -> object | None:
+        """The next message of a rank that said hello, or None: a hello was taken in, or frames from
+        a stray peer were dropped. WorkerError when a rank that said hello sends garbage."""
+        identity, *parts = self.sock.recv_multipart(copy=False)
+        fd = parts[-1].get(zmq.SRCFD)
+        peer = parts[-1].get("Peer-Address")
+        rank = next((r for r, f in self.fd_of_rank.items() if f == fd), None)
+        try:
+            msg = self.codec.decode(parts)
+            if isinstance(msg, WorkerHello):
+                self.hello(msg, peer, fd)
+                return None
+        except (ProtocolError, msgspec.DecodeError) as e:
+            if rank is not None:
+                raise WorkerError(f"rank {rank} at {peer} sent a malformed message: {e}") from None
+            log.warning("dropped a malformed message on the workers' link from %s: %s", peer, e)
+            return None
+        if rank is None or identity.bytes != f"w{rank}".encode():
+            log.warning("dropped a %s from %s, which did not say hello", type(msg).__name__, peer)
+            return None
+        return msg
+
+    def hello(self, msg: WorkerHello, peer: str, fd: int = -1) -> None:
+        """A remote rank connected: check who it says it is and that its engine flags equal ours
+        (ConfigError: the nodes were started with different flags). A config that does not decode
+        is garbage (msgspec.DecodeError), checked first."""
+        theirs = msgspec.json.decode(msg.config, type=EngineConfig)
         par = self.config.parallel
         if msg.rank not in self.remote or par.node_of(msg.rank) != msg.node_rank:
             raise ConfigError(
@@ -114,13 +144,13 @@ class NodeLink:
                 f"two workers say they are rank {msg.rank} (node {msg.node_rank}): at "
                 f"{self.peer_of_rank[msg.rank]} and {peer}; check each node's --node-rank"
             )
-        theirs = msgspec.json.decode(msg.config, type=EngineConfig)
         diff = config_differences(self.config, theirs)
         if diff:
             raise ConfigError(
                 f"node {msg.node_rank} ({peer}) runs other engine flags than the head: {', '.join(diff)}"
             )
         self.peer_of_rank[msg.rank] = peer
+        self.fd_of_rank[msg.rank] = fd
         log.info("rank %d of node %d connected from %s", msg.rank, msg.node_rank, peer)
 
     def check(self, wait_ms: int = 0) -> None:
@@ -129,14 +159,14 @@ class NodeLink:
         while self.monitor.poll(wait_ms):
             wait_ms = 0
             event = recv_monitor_message(self.monitor)
-            kind, fd = event["event"], event["value"]
+            kind, fd = event["event"], int(event["value"])
             if kind == zmq.EVENT_ACCEPTED:
                 self.peer_of_fd[fd] = _peer_ip(fd)
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 log.warning("refused a connection to the workers' link: its key is not in --curve-keys")
             elif kind == zmq.EVENT_DISCONNECTED:
                 peer = self.peer_of_fd.pop(fd, "?")
-                ranks = sorted(r for r, p in self.peer_of_rank.items() if p == peer)
+                ranks = sorted(r for r, f in self.fd_of_rank.items() if f == fd)
                 if ranks:
                     node = self.config.parallel.node_of(ranks[0])
                     raise WorkerError(
