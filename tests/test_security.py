@@ -2,10 +2,11 @@
 
 Unit tests scan the source (AST) of every package for deserializers that run code, check every socket
 codec is msgspec, bind ipc sockets under a loose umask (they must come out 0600), refuse loose or
-foreign socket directories, and check the API-key middleware and the security flags (each a one-line
-error, no key ever in a message). One end-to-end `ember serve` runs with a self-signed certificate,
-two API servers and keys from a flag and a file: HTTPS only, each key works, a wrong one is 401, and
-the body and prompt caps hold over TLS. `ember core` off loopback without CURVE keys is refused.
+foreign socket directories (the engine's and the preload daemons'), and check the API-key middleware
+and the security flags (each a one-line error, no key ever in a message). One end-to-end `ember
+serve` runs with a self-signed certificate, two API servers and keys from a flag and a file: HTTPS
+only, each key works, a wrong one is 401, and the body and prompt caps hold over TLS. `ember core`
+off loopback without CURVE keys is refused.
 Run: `pytest -q tests/test_security.py`.
 """
 
@@ -49,6 +50,7 @@ from frontend.cli import build_parser, main
 from frontend.server_config import ServerConfig, server_config
 from frontend.server_security import check_tls, exposure_warning
 from tests.server_util import start_server, stop_server
+from workers.weight_cache.fingerprint import check_socket_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("coreproc", "workers", "frontend", "kernels")
@@ -324,6 +326,23 @@ def test_the_cli_says_a_bad_security_flag_in_one_line(llama: str, tmp_path: Path
         assert main(["serve", llama, "--port", "0", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and "\n" not in err and "secret-one" not in err
+
+
+@pytest.mark.unit
+def test_preload_socket_directories_are_checked_in_one_line(llama: str, tmp_path: Path, capsys) -> None:
+    """Regression: a foreign or loose --socket-dir ended `ember preload` with a traceback; a directory
+    others may write into (where they could swap the daemon's socket) was accepted."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by other users"):
+        check_socket_dir(shared, create=False, strict=False)
+    shared.chmod(0o1777)
+    check_socket_dir(shared, create=False, strict=False)  # sticky: others cannot replace our files
+    shared.chmod(0o777)
+    assert main(["preload", llama, "--socket-dir", str(shared), "--wait", "--timeout", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "writable by other users" in err and "\n" not in err
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,8 @@ def socket_path(socket_dir: Path, device: str, dp_rank: int, tp_rank: int, role:
 
 
 def check_socket_dir(path: Path, create: bool, strict: bool) -> None:
-    """A real directory (not a symlink) owned by us; with `strict`, no group/other access."""
+    """A real directory (not a symlink) owned by us that no one else may write into (unless sticky); with
+    `strict`, no group/other access at all."""
     if create and not path.exists():
         path.mkdir(mode=0o700, parents=True)
     info = os.lstat(path)
@@ -152,6 +153,8 @@ def check_socket_dir(path: Path, create: bool, strict: bool) -> None:
         raise PermissionError(f"{path} is not a real directory")
     if info.st_uid != os.getuid():
         raise PermissionError(f"{path} is owned by uid {info.st_uid}, not by us ({os.getuid()})")
+    mode = oct(info.st_mode & 0o777)
     if strict and info.st_mode & 0o077:
-        mode = oct(info.st_mode & 0o777)
         raise PermissionError(f"{path} is accessible to other users (mode {mode}); want 0700")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:  # they could replace our sockets
+        raise PermissionError(f"{path} is writable by other users (mode {mode})")

@@ -58,7 +58,10 @@ def socket_dir(args: argparse.Namespace) -> Path:
 
     given = args.socket_dir is not None
     path = Path(args.socket_dir) if given else default_socket_dir()
-    check_socket_dir(path, create=not given, strict=not given)  # an operator's own dir may be shared
+    try:
+        check_socket_dir(path, create=not given, strict=not given)  # an operator's own dir may be shared
+    except PermissionError as e:
+        raise ConfigError(f"socket directory: {e}") from None
     return path
 
 
