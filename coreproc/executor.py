@@ -26,7 +26,7 @@ import zmq
 
 from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError, EmberError, WorkerError
-from coreproc.ipc import Codec, ProtocolError, ipc_endpoint
+from coreproc.ipc import Codec, ProtocolError, bind, ipc_endpoint
 from coreproc.node_link import NodeLink
 from coreproc.protocol import (
     FROM_WORKER,
@@ -101,7 +101,7 @@ class MultiprocExecutor:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         endpoint = ipc_endpoint(runtime_dir, "workers")
-        self.sock.bind(endpoint)
+        bind(self.sock, endpoint)
         self.codec = Codec(FROM_WORKER)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)

@@ -360,6 +360,24 @@ def test_core_off_loopback_without_curve_keys_is_refused(llama: str) -> None:
 
 
 @pytest.mark.e2e
+def test_a_running_engine_s_sockets_are_0600_under_umask_002(llama: str, tmp_path: Path) -> None:
+    """The core, worker and launcher sockets of a live engine (children inherit the umask)."""
+    from coreproc.config import EngineConfig
+    from coreproc.startup.launcher import CoreProcess
+
+    old = os.umask(0o002)
+    try:
+        config = EngineConfig.create(llama, dtype="float32")
+        with CoreProcess(config, listen=f"ipc://{tmp_path}/core.sock") as core:
+            sockets = [p for p in [*core.runtime_dir.iterdir(), tmp_path / "core.sock"] if p.is_socket()]
+            assert {p.name for p in sockets} >= {"core.sock", "workers", "launcher"}
+            assert {p.name: p.stat().st_mode & 0o777 for p in sockets} == {p.name: 0o600 for p in sockets}
+            assert core.runtime_dir.stat().st_mode & 0o777 == 0o700
+    finally:
+        os.umask(old)
+
+
+@pytest.mark.e2e
 def test_https_with_keys_from_flag_and_file_on_two_api_servers(llama: str, tmp_path: Path) -> None:
     key, cert = _self_signed(tmp_path)
     keys = tmp_path / "keys"
