@@ -38,6 +38,7 @@ from frontend.api_servers import (
     use_shared_metrics,
 )
 from frontend.canary import canary_request, canary_result
+from frontend.http_protocol import read_deadline_protocol
 from frontend.server_config import ServerConfig, add_server_arguments, server_config
 from frontend.server_security import exposure_warning
 from frontend.snapshot_manifest import write_json_atomic
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.api_server_child:
         return run_child(args, config, json.loads(args.api_server_child))
     cfg = server_config(args)  # its errors before the port is taken and the model loads
+    raise_open_file_limit()
     count = cfg.api_server_count
     metrics_dir = use_shared_metrics() if count > 1 else None  # before prometheus_client loads
     try:
@@ -151,6 +153,20 @@ def run_child(args: argparse.Namespace, config: EngineConfig, spec: dict[str, An
     return 0
 
 
+def raise_open_file_limit() -> None:
+    """Every connection is a file descriptor: take the hard limit (children inherit it), so thousands
+    of idle clients do not lock out new ones at a soft limit of 1024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass  # keep the soft limit; nothing else depends on it
+
+
 def _uvicorn_server(uvicorn: Any, app: Any, cfg: ServerConfig, shutdown_timeout: float) -> Any:
     """uvicorn on uvloop; with --ssl-certfile it wraps the pre-bound socket in TLS."""
     level = logging.getLevelName(logging.getLogger().level).lower()
@@ -160,6 +176,7 @@ def _uvicorn_server(uvicorn: Any, app: Any, cfg: ServerConfig, shutdown_timeout:
             loop="uvloop",
             log_level=level,
             timeout_graceful_shutdown=shutdown_timeout,
+            http=read_deadline_protocol(cfg.request_read_timeout),
             **cfg.uvicorn_ssl(),
         )
     )
@@ -220,6 +237,7 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
                 lifespan="off",
                 log_level=logging.getLevelName(logging.getLogger().level).lower(),
                 timeout_graceful_shutdown=shutdown_timeout,
+                http=read_deadline_protocol(app.state.api.cfg.request_read_timeout),
             )
         )
         print(

@@ -52,6 +52,11 @@ class ServerConfig:
     stream_send_timeout: float = option(
         "seconds a streaming client may take to accept one chunk before it is cut off", 60.0
     )
+    request_read_timeout: float = option(
+        "seconds a client has to send a whole request (headers and body) from its first byte, and a new "
+        "connection to start one; slower ones are closed (slowloris)",
+        30.0,
+    )
     shutdown_timeout: float = option("on SIGTERM, seconds running requests may take to finish", 30.0)
     enable_lora_runtime_updates: bool = option(
         "answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (without it they are 404); "
