@@ -115,6 +115,11 @@ class SchedulerConfig:
     stall_timeout: float = option(
         "seconds with work held and no step completed before /health reports a stall", 60.0
     )
+    stall_action: Literal["fail", "report"] = option(
+        "on a stall: fail: end every request with an error and stop the engine (a supervisor restarts "
+        "it); report: only /health says so, and the engine goes on if the step ever completes",
+        "fail",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

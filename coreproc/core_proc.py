@@ -110,7 +110,7 @@ class CoreServer:
         self.codec = Codec(TO_CORE)
         executor = make_executor(config, runtime_dir)  # worker processes, or Ray actors
         assert isinstance(executor, (MultiprocExecutor, RayExecutor)), "the core's workers run elsewhere"
-        executor.serve_while_waiting(self.sock, lambda: self._drain(0), lambda: self.engine.check_stall())
+        executor.serve_while_waiting(self.sock, lambda: self._drain(0), self._watchdog)
         self.engine = EngineCore(config, executor)
 
     def info(self) -> EngineInfo:
@@ -322,7 +322,7 @@ class CoreServer:
                         log.warning("grace period over: aborting %d requests", len(self.owner))
                         self._route(self.engine.abort_requests(list(self.owner)))
                 if self.engine.has_unfinished_requests():
-                    self.engine.check_stall()
+                    self._watchdog()
                     self._route(self._step())
                 else:
                     self.engine.executor.check_alive()
@@ -332,6 +332,12 @@ class CoreServer:
             return 1
         finally:
             self.close()
+
+    def _watchdog(self) -> None:
+        """The stall check; with --stall-action fail a stall ends the engine like a dead worker."""
+        reason = self.engine.check_stall()
+        if reason is not None and self.config.scheduler.stall_action == "fail":
+            raise WorkerError(f"stalled: {reason}")
 
     def _fail_everything(self, reason: str) -> None:
         """EngineDead to every client first (their SDKs fail all streams), then per-request errors."""

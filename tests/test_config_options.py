@@ -63,6 +63,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "max_num_queued_requests": ("9", 9),
     "max_num_queued_tokens": ("999", 999),
     "stall_timeout": ("5.5", 5.5),
+    "stall_action": ("report", "report"),
     "tensor_parallel_size": ("2", 2),
     "data_parallel_size": ("2", 2),
     "data_parallel_rank": ("1", 1),

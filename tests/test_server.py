@@ -22,6 +22,7 @@ from hf_ref import PROMPT_TEXTS
 
 from coreproc import LLM, SamplingParams
 from tests.server_util import metric, start_server, stop_server, wait_idle
+from tests.test_multiproc import gone
 
 pytestmark = pytest.mark.e2e
 
@@ -304,7 +305,7 @@ def test_api_key_cors_queue_limit_and_chat_template(llama, tmp_path, offline):
 
 
 def test_stalled_engine_is_unhealthy_and_dead_engine_fails_streams(llama):
-    proc, url = start_server(llama, "--stall-timeout", "2")
+    proc, url = start_server(llama, "--stall-timeout", "2", "--stall-action", "report")
     try:
         core_pid, worker_pid = engine_pids(proc)
         body = {"model": "llama", "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
@@ -332,6 +333,31 @@ def test_stalled_engine_is_unhealthy_and_dead_engine_fails_streams(llama):
         resp = httpx.post(f"{url}/v1/completions", json={"model": "llama", "prompt": "x", "max_tokens": 2})
         assert resp.status_code == 503 and json.loads(resp.text)["error"]["message"]
     finally:
+        stop_server(proc)
+
+
+def test_a_stall_ends_the_streams_and_stops_the_engine(llama):
+    """--stall-action fail (the default): a worker stopped with SIGSTOP is a stall; once the watchdog
+    sees it, the streams end with an error event, /health says why, and no process is left."""
+    proc, url = start_server(llama, "--stall-timeout", "2")
+    core_pid, worker_pid = engine_pids(proc)
+    try:
+        body = {"model": "llama", "prompt": "x", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(worker_pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+            took = time.monotonic() - stopped
+        assert any('"error"' in line and "stalled" in line for line in rest), rest[-3:]
+        print(f"worker stopped: the stream ended with an error after {took:.2f} s (stall timeout 2 s)")
+        assert took < 2.0 + 1.5, "the error reaches the client within a second or so of the stall timeout"
+        assert "stalled" in _wait_health(url, 503, timeout=10).json()["reason"]
+        assert gone([core_pid, worker_pid], timeout=20), "the core and its stopped worker must be gone"
+    finally:
+        if os.path.exists(f"/proc/{worker_pid}"):
+            os.kill(worker_pid, signal.SIGCONT)
         stop_server(proc)
 
 
