@@ -47,16 +47,24 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def recv_msg(conn: socket.socket, typ: type) -> tuple[Any, list[int]]:
-    """One message of `typ` and the file descriptors that came with it (the caller closes them)."""
+    """One message of `typ` and the file descriptors that came with it (the caller closes them; when
+    the message is cut short, too large or does not decode, they are closed here)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, MAX_FDS)
-    if len(head) < 8:
-        head += _recv_exact(conn, 8 - len(head)) if head else b""
-    if len(head) < 8:
-        for fd in fds:
-            os.close(fd)
-        raise ConnectionError("the peer closed the connection before answering")
-    (length,) = struct.unpack(">Q", head)
-    if length > MAX_BODY:
-        raise ConnectionError(f"message of {length} bytes is too large")
-    return msgspec.msgpack.decode(_recv_exact(conn, length), type=typ), fds
+    try:
+        if len(head) < 8:
+            head += _recv_exact(conn, 8 - len(head)) if head else b""
+        if len(head) < 8:
+            raise ConnectionError("the peer closed the connection before answering")
+        (length,) = struct.unpack(">Q", head)
+        if length > MAX_BODY:
+            raise ConnectionError(f"message of {length} bytes is too large")
+        return msgspec.msgpack.decode(_recv_exact(conn, length), type=typ), fds
+    except BaseException:
+        close_fds(fds)
+        raise

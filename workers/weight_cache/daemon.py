@@ -4,7 +4,8 @@ Started by `ember preload` as `python -m workers.weight_cache.daemon` (config as
 takes an exclusive lock on its socket path (a second daemon for the same device and rank fails
 instead of stealing the socket), computes its fingerprint, loads, quantizes and shards the weights
 once, moves them into shared memory, and only then binds its Unix socket (0600) and reports
-`DaemonReady`. Each connection is one request from a peer that must be the same user (SO_PEERCRED):
+`DaemonReady`. Each connection (served on its own thread, so a stalled peer holds up no engine) is
+one request from a peer that must be the same user (SO_PEERCRED):
 "ping" -> "ready"; "state" with a matching fingerprint -> the tensor table plus the arena's file
 descriptor; a mismatch -> the names of the differing fields. A failing request never kills it.
 """
@@ -18,6 +19,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -30,7 +32,7 @@ from coreproc.config import EngineConfig
 from coreproc.ipc import Codec
 from coreproc.protocol import CacheReply, CacheRequest, DaemonReady
 from workers.weight_cache.arena import CpuArena, export_cuda, module_attrs, named_tensors, repoint
-from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
+from workers.weight_cache.channel import close_fds, peer_uid, recv_msg, send_msg
 from workers.weight_cache.fingerprint import (
     device_identity,
     device_index,
@@ -40,6 +42,7 @@ from workers.weight_cache.fingerprint import (
 )
 
 log = logging.getLogger("ember.preload")
+REQUEST_TIMEOUT = 30.0  # seconds a peer has to send its request and take the reply
 
 
 class Daemon:
@@ -121,23 +124,33 @@ class Daemon:
         return reply, []
 
     def serve(self, srv: socket.socket) -> None:
+        """Each connection on its own thread: a peer that stalls mid-message holds up no other."""
         while True:
-            conn, _ = srv.accept()
-            with conn:
+            try:
+                conn, _ = srv.accept()
+            except OSError as e:  # e.g. out of descriptors while many peers are connected
+                log.warning("accept failed: %s", e)
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self.handle, args=(conn,), daemon=True).start()
+
+    def handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                if peer_uid(conn) != os.getuid():
+                    log.warning("refused a connection from uid %d", peer_uid(conn))
+                    return
+                conn.settimeout(REQUEST_TIMEOUT)
                 try:
-                    if peer_uid(conn) != os.getuid():
-                        log.warning("refused a connection from uid %d", peer_uid(conn))
-                        continue
-                    conn.settimeout(30)
-                    try:
-                        req, _ = recv_msg(conn, CacheRequest)
-                    except msgspec.ValidationError as e:  # e.g. a kind this daemon does not know
-                        send_msg(conn, CacheReply(status="error", message=f"unknown request: {e}"))
-                        continue
-                    reply, fds = self.answer(req)
-                    send_msg(conn, reply, fds)
-                except Exception as e:  # one bad request never takes the daemon down
-                    log.warning("request failed: %s", e)
+                    req, sent = recv_msg(conn, CacheRequest)
+                except msgspec.ValidationError as e:  # e.g. a kind this daemon does not know
+                    send_msg(conn, CacheReply(status="error", message=f"unknown request: {e}"))
+                    return
+                close_fds(sent)  # no request carries descriptors; a peer's are not kept
+                reply, fds = self.answer(req)
+                send_msg(conn, reply, fds)
+            except Exception as e:  # one bad request never takes the daemon down
+                log.warning("request failed: %s", e)
 
     def close(self) -> None:
         try:
