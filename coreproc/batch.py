@@ -92,7 +92,7 @@ def parse_line(line_no: int, raw: bytes, seen: set[str]) -> BatchItem:
     if obj.get("method", "POST") != "POST":
         raise fail("invalid_method", "method must be POST", cid)
     url = obj.get("url")
-    if url not in URLS:
+    if not isinstance(url, str) or url not in URLS:  # a dict or list url is unhashable
         raise fail("invalid_url", f"url must be one of {', '.join(URLS)}; got {url!r}", cid)
     if not isinstance(obj.get("body"), dict):
         raise fail("missing_body", "body must be a JSON object", cid)
