@@ -65,3 +65,19 @@ def default_model_dir() -> Path:
 def default_draft_dir() -> Path:
     """The draft model bundled with Ember for speculative decoding with the bundled model."""
     return Path(__file__).resolve().parent / "assets" / "default_draft"
+
+
+# OpenMP threads of a CPU worker spin this many rounds after a parallel region before they sleep
+# (libgomp's default is 300,000: on a host shared with another busy process, the spinning threads
+# take the cores the descheduled ones need, and a worker ran 8-10x slower; at 3,000 a worker alone is
+# as fast, and beside one busy process on 2 cores keeps about 0.45 of its speed; docs/RELIABILITY.md)
+WORKER_SPINCOUNT = "3000"
+
+
+def worker_openmp_env(environ: dict[str, str]) -> dict[str, str]:
+    """The environment for processes that run CPU workers (set before torch loads OpenMP): the user's
+    OMP_WAIT_POLICY / GOMP_SPINCOUNT if set, else a short spin."""
+    env = dict(environ)
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = WORKER_SPINCOUNT
+    return env

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from coreproc.config import EngineConfig
+from coreproc.host import worker_openmp_env
 from coreproc.protocol import SpawnReply, SpawnWorker
 
 log = logging.getLogger("ember.spawn")
@@ -26,14 +27,15 @@ ENV_PREFIXES = ("EMBER_", "OMP_", "MKL_", "TORCH_", "TRITON_", "NCCL_", "MASTER_
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of worker processes: this process's, OpenMP settings included.
+    """The environment of worker processes: this process's, with a short OpenMP spin.
 
-    OpenMP's default wait policy (spin briefly after a parallel region, then sleep) suits workers: a
-    decode step runs dozens of parallel ops back to back, and sleeping between them (PASSIVE) made
-    batch-1 decode ~30% slower on 2 cores, while the short spin does not starve the core and frontend
-    processes between steps. OMP_WAIT_POLICY / GOMP_SPINCOUNT set by the user pass through.
+    Spinning briefly after a parallel region suits workers: a decode step runs dozens of parallel ops
+    back to back, and sleeping between them (OMP_WAIT_POLICY=PASSIVE) made batch-1 decode ~30% slower
+    on 2 cores. But libgomp's default spin (300,000 rounds) made a worker 8-10x slower beside one busy
+    process on the same cores, so workers spin 3,000 rounds (`coreproc.host.worker_openmp_env`).
+    OMP_WAIT_POLICY / GOMP_SPINCOUNT set by the user pass through.
     """
-    return dict(os.environ)
+    return worker_openmp_env(dict(os.environ))
 
 
 class ForkedProcess:

@@ -27,6 +27,7 @@ import zmq
 
 from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError
+from coreproc.host import worker_openmp_env
 from coreproc.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.protocol import DaemonReady
 
@@ -123,8 +124,9 @@ class Launcher:
     def start(self, timeout: float) -> None:
         env = dict(os.environ)
         zygote_cmd = [sys.executable, "-m", "coreproc.startup.zygote", "--socket-dir", str(self.directory)]
-        # the zygote's children are engine workers: OpenMP's default (briefly spinning) wait policy
-        self.zygote = zygote = subprocess.Popen(zygote_cmd, stdout=subprocess.PIPE, text=True, env=env)
+        # the zygote's children are engine workers: their short OpenMP spin, set before torch loads
+        zygote_env = worker_openmp_env(env)
+        self.zygote = zygote = subprocess.Popen(zygote_cmd, stdout=subprocess.PIPE, text=True, env=zygote_env)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the daemons only hold memory once loaded
         for p in self.places:
             cmd = [sys.executable, "-m", "workers.weight_cache.daemon", "--role", p.role]
