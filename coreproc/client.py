@@ -181,6 +181,10 @@ class AsyncEngineClient:
             if reason is not None:
                 self._die(reason)
 
+    def declare_dead(self, reason: str) -> None:
+        """Give the engine up (it stopped answering): every open stream and call fails with `reason`."""
+        self._die(reason)
+
     def _die(self, reason: str) -> None:
         if self.dead is not None:
             return

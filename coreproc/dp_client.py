@@ -4,8 +4,10 @@ Runs in the HTTP frontend (always, with one core or several) and in SDK users' p
 `AsyncEngineClient` per core and sends each submission to the core a `DPRouter` picks (least loaded,
 or holding the longest cached prefix); outputs stream back from that core alone, aborts follow their
 request. A core that dies fails only its own streams (`EngineDeadError` from its client) and is routed
-around; the client as a whole is dead only when every core is. Utility calls fan out: the prefix-cache
-reset and LoRA loads go to every live core, `stats()` merges theirs, `stats_by_rank()` keeps them apart.
+around, and so does one that answers no stats call for 10 s (stopped or wedged: the core answers
+them even during long steps); the client as a whole is dead only when every core is. Utility calls
+fan out: the prefix-cache reset and LoRA loads go to every live core, `stats()` merges theirs,
+`stats_by_rank()` keeps them apart.
 """
 
 from __future__ import annotations
@@ -57,6 +59,9 @@ def make_request(
     )
 
 
+UNRESPONSIVE_AFTER_S = 10.0
+
+
 class DPEngineClient:
     """asyncio client of D engine cores. Use `await coreproc.client.connect_engines(addresses)`."""
 
@@ -77,6 +82,10 @@ class DPEngineClient:
         )
         self._where: dict[str, int] = {}  # request id -> the core running it
         self._dead: dict[int, str] = {}
+        self._silent_since: dict[int, float] = {}  # rank -> when an unanswered stats call was made
+        # a core that answers no stats call for this long is given up (its streams fail); the core
+        # answers them even during long steps, so only a stopped or wedged process stays silent
+        self.unresponsive_after = UNRESPONSIVE_AFTER_S
 
     @property
     def size(self) -> int:
@@ -179,10 +188,18 @@ class DPEngineClient:
             client = self.clients[rank]
             if client.dead is not None:
                 return client.dead
+            asked = time.monotonic()
             try:
                 stats = await client.stats(timeout)
             except EngineDeadError as e:
+                if client.dead is None:  # no answer in time: a stopped or wedged core process
+                    since = self._silent_since.setdefault(rank, asked)
+                    if time.monotonic() - since >= self.unresponsive_after:
+                        client.declare_dead(
+                            f"the engine core has not answered for {time.monotonic() - since:.0f}s"
+                        )
                 return client.dead or str(e)
+            self._silent_since.pop(rank, None)
             self.router.observe(rank, stats.num_waiting + stats.num_running, stats.kv_usage)
             return stats
 
