@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     raise_open_file_limit()
     count = cfg.api_server_count
     metrics_dir = use_shared_metrics() if count > 1 else None  # before prometheus_client loads
+    dead: str | None = None
     try:
         sock = bind(args.host, args.port, reuse_port=count > 1)
         host, port = sock.getsockname()[:2]
@@ -129,13 +131,47 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                         print(warning, file=sys.stderr, flush=True)
                     scheme = "https" if cfg.tls else "http"
                     print(f"ember serve: listening on {scheme}://{host}:{port}{servers}", flush=True)
-                    _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout).run(sockets=[sock])
+                    server = _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout)
+                    watch = EngineWatch(server, app, cores)
+                    watch.start()
+                    server.run(sockets=[sock])
+                    dead = watch.dead
                 finally:
                     stop_children(children, args.shutdown_timeout)
     finally:
         if metrics_dir is not None:
             remove_shared_metrics(metrics_dir)
-    return 0
+    return 1 if dead else 0
+
+
+CORE_EXIT_WAIT_S = 10.0
+
+
+class EngineWatch(threading.Thread):
+    """Ends `ember serve` (exit status 1) once every engine core is gone, so that a supervisor
+    (systemd `Restart=always`, Kubernetes) restarts it; the streams have had their error events. A
+    core given up while still running (stopped, wedged) is killed if it has not exited in 10 s."""
+
+    def __init__(self, server: Any, app: Any, cores: Any) -> None:
+        super().__init__(name="ember-engine-watch", daemon=True)
+        self.server, self.app, self.cores = server, app, cores
+        self.dead: str | None = None
+
+    def run(self) -> None:
+        while not self.server.should_exit:  # a normal shutdown stops the watch before the cores
+            ctx = self.app.state.api.ctx
+            if ctx is not None and ctx.dead is not None:
+                self.dead = ctx.dead
+                print(f"ember serve: every engine core is gone ({ctx.dead}); exiting", flush=True)
+                self.server.should_exit = True
+                deadline = time.monotonic() + CORE_EXIT_WAIT_S  # a dying core stops its workers
+                for core in self.cores.cores:
+                    while core.alive() and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    if core.alive():  # stopped or wedged: it will not exit by itself
+                        core.proc.kill()
+                return
+            time.sleep(0.2)
 
 
 def run_child(args: argparse.Namespace, config: EngineConfig, spec: dict[str, Any]) -> int:

@@ -328,10 +328,8 @@ def test_stalled_engine_is_unhealthy_and_dead_engine_fails_streams(llama):
             rest = [line for line in lines if line.startswith("data: ")]
         assert any('"error"' in line for line in rest), rest[-3:]
         assert rest[-1] == "data: [DONE]"
-        health = _wait_health(url, 503, timeout=10)
-        assert "dead" in health.json()["reason"]
-        resp = httpx.post(f"{url}/v1/completions", json={"model": "llama", "prompt": "x", "max_tokens": 2})
-        assert resp.status_code == 503 and json.loads(resp.text)["error"]["message"]
+        # with its only core gone, `ember serve` exits 1 for a supervisor to restart it
+        assert proc.wait(20) == 1
     finally:
         stop_server(proc)
 
