@@ -160,9 +160,10 @@ class EngineWatch(threading.Thread):
     def run(self) -> None:
         while not self.server.should_exit:  # a normal shutdown stops the watch before the cores
             ctx = self.app.state.api.ctx
-            if ctx is not None and ctx.dead is not None:
-                self.dead = ctx.dead
-                print(f"ember serve: every engine core is gone ({ctx.dead}); exiting", flush=True)
+            dead = None if ctx is None else ctx.dead or ctx.client.dead  # the client knows first
+            if dead is not None:
+                self.dead = dead
+                print(f"ember serve: every engine core is gone ({dead}); exiting", flush=True)
                 self.server.should_exit = True
                 deadline = time.monotonic() + CORE_EXIT_WAIT_S  # a dying core stops its workers
                 for core in self.cores.cores:

@@ -1,0 +1,130 @@
+"""Time to recover under a supervisor: kill the engine core of a live `ember serve` and time the way back.
+
+Runs in its own process and plays systemd's `Restart=always`: it starts `ember serve MODEL ...`,
+restarts it whenever it exits, and measures, per round, (1) from SIGKILL of the `ember-core` process
+to the end of a running stream (its error event), (2) to the exit of `ember serve`, and (3) to
+`/health` answering 200 again from the restarted server. Run it with `--load-format ipc_cache` and
+an `ember preload MODEL` daemon running to measure the warm restart, and without them for the cold one.
+
+    python -m tools.supervised_restart MODEL --rounds 3 [--serve-args --load-format ipc_cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def core_of(pid: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and cmd.startswith(b"ember-core"):
+                return int(entry.name)
+    raise RuntimeError("no ember-core under the server")
+
+
+def stream_until_end(url: str, ended: list[float]) -> None:
+    body = {"model": "m", "prompt": "x", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+            for _ in reply.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass
+    ended.append(time.monotonic())
+
+
+def one_round(
+    model: str, port: int, extra: list[str], proc: subprocess.Popen
+) -> tuple[dict, subprocess.Popen]:
+    url = f"http://127.0.0.1:{port}"
+    ended: list[float] = []
+    reader = threading.Thread(target=stream_until_end, args=(url, ended), daemon=True)
+    reader.start()
+    time.sleep(1.0)  # the stream is running
+    killed = time.monotonic()
+    os.kill(core_of(proc.pid), 9)
+    code = proc.wait(60)
+    exited = time.monotonic()
+    proc = serve(model, port, extra)  # the supervisor's restart
+    while not healthy(url):
+        time.sleep(0.05)
+    back = time.monotonic()
+    reader.join(10)
+    row = {
+        "stream_error_s": round(ended[0] - killed, 2) if ended else None,
+        "serve_exit_s": round(exited - killed, 2),
+        "exit_code": code,
+        "healthy_again_s": round(back - killed, 2),
+    }
+    return row, proc
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.supervised_restart", description=__doc__.split("\n")[0])
+    p.add_argument("model")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
+    args = p.parse_args(argv)
+    port = free_port()
+    extra = ["--served-model-name", "m", *args.serve_args]
+    proc = serve(args.model, port, extra)
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    while not healthy(url):
+        if proc.poll() is not None:
+            raise SystemExit(f"ember serve exited with {proc.returncode}")
+        time.sleep(0.05)
+    print(f"first start: healthy after {time.monotonic() - start:.2f} s")
+    rows = []
+    try:
+        for _ in range(args.rounds):
+            row, proc = one_round(args.model, port, extra, proc)
+            rows.append(row)
+            print(json.dumps(row))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    back = [r["healthy_again_s"] for r in rows]
+    print(
+        f"summary: healthy again {statistics.median(back):.2f} s after SIGKILL of the core "
+        f"(median of {len(back)})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
