@@ -12,6 +12,7 @@ serves the whole file, and responses name the model that ran (the adapter, or th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -149,24 +150,41 @@ def scan_output(path: str) -> Answered:
 
 
 class RecordSink:
-    """Appends one JSON record per line and makes it durable before returning."""
+    """Appends one JSON record per line and makes it durable before returning.
+
+    A record that cannot be written whole (disk full, file size limit, I/O error) is cut off again, so
+    the file only ever holds whole lines, and the run stops with an `EmberError` naming the file: its
+    request is not answered, and a rerun with the same output redoes it."""
 
     def __init__(self, path: str) -> None:
-        self.to_stdout = path == "-"
+        self.path, self.to_stdout = path, path == "-"
+        self.unwritten = 0  # records that could not be written (their requests are not answered)
         try:
-            self.f: IO[bytes] = sys.stdout.buffer if self.to_stdout else open(path, "ab")  # noqa: SIM115
+            self.fd = -1 if self.to_stdout else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
             raise EmberError(f"cannot write the output file {path}: {e.strerror}") from None
 
     def write(self, record: dict[str, Any]) -> None:
-        self.f.write(msgspec.json.encode(record) + b"\n")
-        self.f.flush()
-        if not self.to_stdout:
-            os.fsync(self.f.fileno())
+        data = msgspec.json.encode(record) + b"\n"
+        if self.to_stdout:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+            return
+        end = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view) :]
+            os.fsync(self.fd)
+        except OSError as e:
+            self.unwritten += 1
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)
+            raise EmberError(f"cannot write the output file {self.path}: {e.strerror}") from None
 
     def close(self) -> None:
         if not self.to_stdout:
-            self.f.close()
+            os.close(self.fd)
 
 
 def record(custom_id: str | None, response: dict | None = None, error: dict | None = None) -> dict[str, Any]:
@@ -253,8 +271,9 @@ class BatchRunner:
         return self.num_errors - before
 
     def count_unfinished(self, rest: Iterator[tuple[int, bytes]]) -> int:
-        """Requests in flight plus the unread lines that a rerun would still have to answer."""
-        n = self.in_flight + len(self.deferred)
+        """Requests in flight or whose record could not be written, plus the unread lines that a rerun
+        would still have to answer."""
+        n = self.in_flight + len(self.deferred) + self.sink.unwritten
         for line_no, raw in rest:
             try:
                 n += parse_line(line_no, raw, self.seen).custom_id not in self.done.custom_ids

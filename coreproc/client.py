@@ -107,6 +107,7 @@ class AsyncEngineClient:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # outputs are never dropped on our side either
         self.sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         if server_key is not None:
             if client_key is None:

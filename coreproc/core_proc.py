@@ -102,6 +102,10 @@ class CoreServer:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # no high-water mark: a ROUTER drops what it cannot queue, and a dropped output would leave a
+        # stream hanging; the queue of a client that stops reading is bounded by `client_timeout`,
+        # after which its requests are aborted
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, config.limits.max_submit_bytes + 2**20)  # + framing slack
         if self.curve is not None:
             self.curve.apply(self.sock)

@@ -82,7 +82,8 @@ class DPEngineClient:
         )
         self._where: dict[str, int] = {}  # request id -> the core running it
         self._dead: dict[int, str] = {}
-        self._silent_since: dict[int, float] = {}  # rank -> when an unanswered stats call was made
+        # rank -> (when the first of its unanswered stats calls was made, how many in a row)
+        self._silent_since: dict[int, tuple[float, int]] = {}
         # a core that answers no stats call for this long is given up (its streams fail); the core
         # answers them even during long steps, so only a stopped or wedged process stays silent
         self.unresponsive_after = UNRESPONSIVE_AFTER_S
@@ -193,8 +194,11 @@ class DPEngineClient:
                 stats = await client.stats(timeout)
             except EngineDeadError as e:
                 if client.dead is None:  # no answer in time: a stopped or wedged core process
-                    since = self._silent_since.setdefault(rank, asked)
-                    if time.monotonic() - since >= self.unresponsive_after:
+                    since, misses = self._silent_since.get(rank, (asked, 0))
+                    self._silent_since[rank] = (since, misses + 1)
+                    # not on one miss alone: our own pause (SIGSTOP, swapping, a stalled VM) can
+                    # outlive a call's timer though the core answered at once
+                    if misses >= 1 and time.monotonic() - since >= self.unresponsive_after:
                         client.declare_dead(
                             f"the engine core has not answered for {time.monotonic() - since:.0f}s"
                         )

@@ -45,6 +45,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "kv_cache_memory": ("1000000", 1000000),
     "kv_cache_memory_fraction": ("0.5", 0.5),
     "kv_cache_dtype": ("fp8", "fp8"),
+    "kv_cache_prefault": ("--kv-cache-prefault", True),
     "enable_prefix_caching": ("--no-enable-prefix-caching", False),
     "prefix_hash_seed": ("3", 3),
     "enable_lora": ("--enable-lora", True),

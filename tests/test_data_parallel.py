@@ -3,7 +3,8 @@
 Unit tests of the router (least loaded, prefix, dead cores) and the stats merge; end to end, real
 `ember serve -dp 2` processes: greedy outputs equal a single engine's, 256 concurrent streams spread over
 both cores (the split is printed), prefix routing keeps a prompt family on one core, and a SIGKILLed
-worker of one core fails only that core's requests while /health names it and the other core serves on.
+core or worker of one core fails only that core's requests while /health names it and the other
+core serves on.
 Also `ember core -dp 2` with the SDK's `EngineClient([...])`, and `LLM(data_parallel_size=2)`.
 Run: pytest tests/test_data_parallel.py
 """
@@ -28,10 +29,11 @@ from test_multiproc import children, cmdline, gone
 
 from coreproc import LLM, SamplingParams
 from coreproc.client import EngineClient
+from coreproc.dp_client import DPEngineClient
 from coreproc.dp_engine import DPEngine
 from coreproc.dp_router import DPRouter, merge_stats
-from coreproc.errors import EmberError
-from coreproc.protocol import SchedulerStats
+from coreproc.errors import EmberError, EngineDeadError
+from coreproc.protocol import EngineInfo, SchedulerStats
 from coreproc.startup.launcher import dp_listen_addresses
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
@@ -59,6 +61,44 @@ def test_least_loaded_spreads_work_and_skips_dead_cores() -> None:
     router.mark_dead(1)
     with pytest.raises(ValueError, match="no data-parallel engine is alive"):
         router.pick()
+
+
+class _QuietCore:
+    """In place of a core's `AsyncEngineClient`: its next `misses` stats calls go unanswered."""
+
+    def __init__(self, misses: int) -> None:
+        self.misses, self.dead = misses, None
+        self.info_cache = EngineInfo(
+            model="m", max_model_len=64, vocab_size=8, num_kv_blocks=16, block_size=4,
+            tensor_parallel_size=1, version="0", max_num_seqs=4,
+        )  # fmt: skip
+
+    async def stats(self, timeout: float | None) -> SchedulerStats:
+        if self.misses:
+            self.misses -= 1
+            raise EngineDeadError("the call timed out")
+        return SchedulerStats()
+
+    def declare_dead(self, reason: str) -> None:
+        self.dead = reason
+
+
+@pytest.mark.unit
+def test_a_core_is_given_up_after_two_unanswered_stats_calls_not_one() -> None:
+    """One miss may be the frontend's own pause (a stop, swapping) outliving the call's timer."""
+    paused, stopped = _QuietCore(misses=1), _QuietCore(misses=10**6)
+    client = DPEngineClient([paused, stopped])  # type: ignore[list-item]
+    client.unresponsive_after = 0.0  # time is not what this test is about
+
+    async def poll() -> dict:
+        return await client.stats_by_rank(timeout=1.0)
+
+    first = asyncio.run(poll())
+    assert paused.dead is None and stopped.dead is None and isinstance(first[0], str)
+    second = asyncio.run(poll())
+    assert isinstance(second[0], SchedulerStats) and paused.dead is None  # it answered: forgiven
+    assert stopped.dead is not None and "has not answered" in stopped.dead
+    assert client.dead_ranks() == {1: stopped.dead}
 
 
 @pytest.mark.unit
@@ -214,12 +254,14 @@ def test_prefix_routing_keeps_a_prompt_family_on_one_core(llama) -> None:
 
 
 @pytest.mark.e2e
-def test_killed_worker_of_one_core_fails_only_its_requests(llama) -> None:
+@pytest.mark.parametrize("kill", ["worker", "core"])
+def test_killing_one_core_or_its_worker_fails_only_its_requests(llama, kill) -> None:
     proc, url = start_server(str(llama), "--data-parallel-size", "2")
     try:
         cores = {c: cmdline(c) for c in children(proc.pid) if "ember-core" in cmdline(c)}
         core1 = next(c for c, cmd in cores.items() if "ember-core-dp1" in cmd)
-        victim = next(w for w in children(core1) if "ember-worker" in cmdline(w))
+        worker1 = next(w for w in children(core1) if "ember-worker" in cmdline(w))
+        victim = worker1 if kill == "worker" else core1
 
         async def run() -> tuple[list, float]:
             task = asyncio.ensure_future(_fail_or_finish(url, 16))
@@ -238,13 +280,13 @@ def test_killed_worker_of_one_core_fails_only_its_requests(llama) -> None:
         assert failed and finished and len(failed) + len(finished) == 16, results
         assert all("engine" in message for _, message, _ in failed)
         to_error = max(at for _, _, at in failed) - killed_at
-        print(f"core 1's worker killed: {len(failed)} failed in {to_error:.2f} s, {len(finished)} finished")
+        print(f"core 1's {kill} killed: {len(failed)} failed in {to_error:.2f} s, {len(finished)} finished")
         assert to_error < 5.0, "errors reach the clients within 5 s"
         health = httpx.get(f"{url}/health", timeout=5)
         assert health.status_code == 503 and "engine core 1 dead" in health.json()["reason"]
         texts = [complete(url, p)["choices"][0]["text"] for p in PROMPT_TEXTS[:4]]  # core 0 serves on
         assert all(texts)
-        assert gone([core1, victim], timeout=20)
+        assert gone([core1, worker1], timeout=20)
     finally:
         stop_server(proc)
 

@@ -3,7 +3,12 @@
 A stopped core (SIGSTOP: it answers nothing) is given up by the frontend after 10 s of silence: the
 streams end with an error event, and with no core left `ember serve` kills it and exits 1 (for a
 supervisor to restart it). A SIGKILLed frontend leaves no process behind:
-the cores notice their launcher is gone and stop, and their workers follow. (Workers killed or
+the cores notice their launcher is gone and stop, and their workers follow. `ember batch` whose output
+cannot be written (a full disk, a file size limit) stops with one line, leaves whole lines only, and a
+rerun once there is room completes the file without a line lost or repeated. A stopped frontend
+loses nothing: the core aborts its requests after its client timeout, and once resumed every stream
+ends and the server serves on. A stopped preload daemon costs a starting engine `STATE_TIMEOUT`, after
+which it loads from disk. (Workers killed or
 stopped, cores killed, other nodes and Ray nodes lost are in test_multiproc, test_server,
 test_data_parallel, test_multinode and test_ray; docs/RELIABILITY.md collects the times.)
 Run: pytest -q -m reliability tests/test_faults.py
@@ -11,14 +16,29 @@ Run: pytest -q -m reliability tests/test_faults.py
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import resource
 import signal
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
-from server_util import start_server, stop_server
+from server_util import metric, start_server, stop_server
+from test_batch import REPO, by_id, comparable, engine_flags, read_records, resume_items, write_jsonl
 from test_multiproc import children, cmdline, gone
+from test_preload import engine, source, start_preload, stop, tokens
+
+from coreproc import LLM
+from frontend.cli import main
+from tools import soak
+from workers.weight_cache import client as preload_client
 
 pytestmark = pytest.mark.reliability
 
@@ -57,6 +77,74 @@ def test_a_stopped_core_is_given_up_and_its_streams_end(make_ckpt) -> None:
         stop_server(proc)
 
 
+def test_a_stopped_frontend_resumes_and_no_stream_hangs(make_ckpt) -> None:
+    # streams that outlast the stop: the core aborts them after 10 s without a heartbeat, and queues
+    # thousands of outputs for the stopped frontend meanwhile
+    proc, url = start_server(str(make_ckpt("llama", max_position_embeddings=8192)))
+    ends: list[list[str]] = []
+
+    def one_stream() -> None:
+        body = LONG | {"max_tokens": 8000}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            assert resp.status_code == 200
+            ends.append([line for line in resp.iter_lines() if line.startswith("data: ")][-2:])
+
+    clients = [threading.Thread(target=one_stream) for _ in range(4)]
+    try:
+        for c in clients:
+            c.start()
+        deadline = time.monotonic() + 30
+        while metric(url, "ember_num_requests_running") < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(12)  # the fault itself: longer than the core's 10 s client timeout
+        os.kill(proc.pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        for c in clients:
+            c.join(60)
+        assert not any(c.is_alive() for c in clients), "a stream hung after the frontend resumed"
+        took = time.monotonic() - resumed
+        assert all(last[-1] == "data: [DONE]" and '"finish_reason"' in last[0] for last in ends), ends
+        reasons = {json.loads(last[0][6:])["choices"][0]["finish_reason"] for last in ends}
+        print(
+            f"frontend stopped 12 s: every stream ended {took:.2f} s after SIGCONT, finish reasons {reasons}"
+        )
+        assert soak.left_over(url) == {}  # no KV block, request or stream left anywhere
+        reply = httpx.post(
+            f"{url}/v1/completions", json=LONG | {"stream": False, "max_tokens": 4}, timeout=30
+        )
+        assert reply.status_code == 200
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        stop_server(proc)
+
+
+def test_a_stopped_preload_daemon_costs_a_starting_engine_only_its_timeout(
+    make_ckpt, tmp_path, monkeypatch
+) -> None:
+    model = str(make_ckpt("llama"))
+    with LLM(model, dtype="float32", show_progress=False) as llm:
+        disk = tokens(llm)
+    sock = tmp_path / "s"
+    sock.mkdir(mode=0o700)
+    daemon = start_preload(model, sock)
+    pid = next(p for p in descendants(daemon.pid) if "ember-preload-target" in cmdline(p))
+    monkeypatch.setattr(preload_client, "STATE_TIMEOUT", 2.0)  # 10 s by default
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with engine(model, sock) as llm:
+            took = time.monotonic() - start
+            where, why = source(llm)
+            assert where == "disk" and "did not answer in 2 s" in why, why
+            assert tokens(llm) == disk
+        print(f"preload daemon stopped: the engine loaded from disk after {took:.1f} s")
+        assert took < 30
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        stop(daemon)
+
+
 def test_a_killed_frontend_leaves_no_process(make_ckpt) -> None:
     proc, url = start_server(str(make_ckpt("llama")), "--api-server-count", "2", "-dp", "2")
     tree = descendants(proc.pid)
@@ -70,3 +158,59 @@ def test_a_killed_frontend_leaves_no_process(make_ckpt) -> None:
     assert gone(tree, timeout=30), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
     print(f"frontend killed: all {len(tree)} processes gone after {time.monotonic() - killed:.1f} s")
     stop_server(proc)
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str) -> Iterator[Callable[[], None]]:
+    """A tmpfs of `size` mounted at `path`; yields a function that gives it room. Needs root."""
+    path.mkdir()
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    if os.geteuid() != 0 or subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield lambda: subprocess.run(["mount", "-o", "remount,size=4m", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.mark.parametrize("how", ["disk full", "file size limit"])
+def test_batch_output_that_cannot_be_written(make_ckpt, tmp_path, capsys, how) -> None:
+    items = resume_items(48)
+    inp = write_jsonl(tmp_path / "in.jsonl", items)
+    flags = engine_flags(str(make_ckpt("llama")), "--max-num-seqs", "4")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with contextlib.ExitStack() as stack:
+        if how == "disk full":  # a 16 KiB filesystem: about twenty records fit
+            make_room = stack.enter_context(small_disk(tmp_path / "disk", "16k"))
+            out, reason, limit = tmp_path / "disk" / "out.jsonl", "No space left on device", None
+        else:  # RLIMIT_FSIZE: writes past 12,000 bytes fail with EFBIG
+            out, reason, limit = tmp_path / "out.jsonl", "File too large", 12_000
+            make_room = lambda: None  # noqa: E731 (the rerun runs without the limit)
+
+        def cap_file_size() -> None:
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        cmd = [sys.executable, "-m", "coreproc", "batch", "-i", str(inp), "-o", str(out), *flags]
+        run = subprocess.run(
+            cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, preexec_fn=cap_file_size
+        )
+        assert run.returncode == 1, run.stderr[-2000:]
+        written = out.read_bytes()
+        assert written.endswith(b"\n"), "a torn record was left in the output"
+        done = len(read_records(out))  # every line is a whole record
+        assert 0 < done < len(items)
+        assert "Traceback" not in run.stderr
+        assert run.stderr.strip().splitlines()[-1] == (
+            f"ember batch: error: cannot write the output file {out}: {reason}; "
+            f"{len(items) - done} requests not finished; rerun with the same -o to resume"
+        )
+        make_room()
+        assert main(["batch", "-i", str(inp), "-o", str(out), *flags]) == 0
+        assert f"{len(items) - done} done, 0 errors, {done} already in the output" in capsys.readouterr().err
+        assert out.read_bytes().startswith(written)
+        resumed = by_id(read_records(out))
+    clean = tmp_path / "clean.jsonl"
+    assert main(["batch", "-i", str(inp), "-o", str(clean), *flags]) == 0
+    reference = by_id(read_records(clean))
+    assert {k: comparable(v) for k, v in resumed.items()} == {k: comparable(v) for k, v in reference.items()}

@@ -6,7 +6,9 @@ shape, a shard). Run: `pytest -q tests/test_loading.py`.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -109,6 +111,35 @@ def test_missing_shard(make_ckpt, tmp_path):
 def test_kv_cache_too_small_for_max_model_len(make_ckpt):
     with pytest.raises(ConfigError, match="fewer than one sequence"):
         LLM(str(make_ckpt("llama")), num_kv_blocks=3, max_model_len=128, show_progress=False)
+
+
+def resident_fraction(t) -> float:
+    """Share of a CPU tensor's pages that are resident (mincore)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    pages = (t.data_ptr() + t.numel() * t.element_size() - start + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), vec) == 0
+    return sum(v & 1 for v in vec) / pages
+
+
+def test_kv_cache_prefault_commits_the_cache_at_start(make_ckpt):
+    """By default the KV cache's pages become resident only once used; `kv_cache_prefault` commits
+    every page at start (and the engine generates the same)."""
+    path, budget = str(make_ckpt("llama")), 64 * 2**20
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for prefault in (False, True):
+        with LLM(
+            path, dtype="float32", kv_cache_memory=budget, kv_cache_prefault=prefault, show_progress=False
+        ) as llm:
+            caches = llm.engine.executor.worker.runner.kv_caches
+            assert sum(t.numel() * t.element_size() for t in caches) > budget // 2
+            share = sum(resident_fraction(t) for t in caches) / len(caches)
+            assert share > 0.99 if prefault else share < 0.5, (prefault, share)
+            tokens.append(llm.generate(["def f(x):"], params, use_tqdm=False)[0].outputs[0].token_ids)
+    assert tokens[0] == tokens[1]
 
 
 def test_bf16_checkpoint_dtype_auto_and_explicit(make_ckpt):

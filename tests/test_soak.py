@@ -21,13 +21,16 @@ from tools import soak
 pytestmark = pytest.mark.reliability
 
 
-def test_concurrent_mixed_load_completes_or_is_refused_and_leaves_nothing(make_ckpt) -> None:
+def test_concurrent_mixed_load_completes_or_is_refused_and_leaves_nothing(make_ckpt, tmp_path) -> None:
     proc, url = start_server(str(make_ckpt("llama")), "--max-num-queued-requests", "48", name="soak")
+    sampler = soak.RssSampler(proc.pid, 0.2)
     try:
         args = argparse.Namespace(
             seed=3, concurrency=96, requests=400, served_model_name="soak", max_tokens=16, timeout=120.0
         )
-        outcomes, _ = asyncio.run(soak.drive(args, url))
+        sampler.start()
+        outcomes, _ = asyncio.run(soak.drive(args, url, sampler))
+        sampler.done.set()
         results = {o.result for o in outcomes}
         errors = [o for o in outcomes if o.result == "error"]
         assert not errors, errors[:3]
@@ -35,5 +38,15 @@ def test_concurrent_mixed_load_completes_or_is_refused_and_leaves_nothing(make_c
         assert sum(o.result == "ok" for o in outcomes) >= 100
         assert {o.behaviour for o in outcomes if o.result == "ok"} == set(soak.BEHAVIOURS) - {"disconnect"}
         assert soak.left_over(url) == {}
+        # the RSS of the frontend, the core and its worker, sampled against requests finished, and plotted
+        sampler.join(5)
+        assert sampler.finished == 400 and sampler.finished_at == sorted(sampler.finished_at)
+        names = set(sampler.samples[-1][1])
+        assert {"ember serve (frontend)", "ember-core", "ember-worker-0"} <= {
+            n.rsplit(" (", 1)[0] for n in names
+        }
+        soak.plot(sampler, str(tmp_path / "rss.png"), "CI profile")
+        assert (tmp_path / "rss.png").read_bytes()[:4] == b"\x89PNG"
     finally:
+        sampler.done.set()
         stop_server(proc)

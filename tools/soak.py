@@ -107,7 +107,7 @@ async def one(http: httpx.AsyncClient, k: int, behaviour: str, body: dict) -> Ou
         return Outcome(behaviour, "error", detail=f"{type(e).__name__}: {e}"[:200])
 
 
-async def drive(args: argparse.Namespace, url: str) -> tuple[list[Outcome], float]:
+async def drive(args: argparse.Namespace, url: str, sampler: RssSampler) -> tuple[list[Outcome], float]:
     rng = random.Random(args.seed)
     names, weights = zip(*BEHAVIOURS.items())
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -118,7 +118,9 @@ async def drive(args: argparse.Namespace, url: str) -> tuple[list[Outcome], floa
             behaviour = rng.choices(names, weights)[0]
             body = body_for(k, behaviour, rng, args.served_model_name, args.max_tokens)
             async with gate:
-                return await one(http, k, behaviour, body)
+                outcome = await one(http, k, behaviour, body)
+            sampler.finished += 1
+            return outcome
 
         start = time.perf_counter()
         outcomes = await asyncio.gather(*(gated(k) for k in range(args.requests)))
@@ -146,10 +148,12 @@ def process_tree(root: int) -> dict[int, str]:
 
 
 def title(pid: int) -> str:
+    """The process title (`ember-core`, `ember-worker-0`, ...); the frontend keeps its interpreter's."""
     try:
-        return (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode()[:40]
+        name = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")[0].decode()[:40]
     except OSError:
         return "?"
+    return "ember serve (frontend)" if "/" in name else name
 
 
 def rss_kib(pid: int) -> int | None:
@@ -169,6 +173,8 @@ class RssSampler(threading.Thread):
         super().__init__(name="rss-sampler", daemon=True)
         self.root, self.interval = root, interval
         self.samples: list[tuple[float, dict[str, int]]] = []
+        self.finished_at: list[int] = []  # requests finished at each sample
+        self.finished = 0  # bumped by the clients
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -180,6 +186,7 @@ class RssSampler(threading.Thread):
                 if kib is not None:
                     row[f"{name} ({pid})"] = kib
             self.samples.append((time.perf_counter() - start, row))
+            self.finished_at.append(self.finished)
 
     def growth(self) -> dict[str, float]:
         """Per process: median RSS of the last fifth over that of the second fifth, minus one."""
@@ -264,22 +271,27 @@ def report(outcomes: list[Outcome], seconds: float, sampler: RssSampler, held: d
     return summary
 
 
-def plot(sampler: RssSampler, path: str) -> None:
+def plot(sampler: RssSampler, path: str, what: str) -> None:
+    """One panel per process: its RSS against requests finished, on a linear scale of its own."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
     names = sorted({name for _, row in sampler.samples for name in row})
-    for name in names:
-        points = [(t, row[name] / 1024) for t, row in sampler.samples if name in row]
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=name)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("RSS (MiB)")
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 1.8 * len(names) + 0.6), sharex=True, squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        pairs = zip(sampler.samples, sampler.finished_at)
+        points = [(n, row[name] / 1024) for (_, row), n in pairs if name in row]
+        ax.plot([p[0] for p in points], [p[1] for p in points])
+        top = max(p[1] for p in points)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_ylabel("MiB")
+        ax.set_title(name, fontsize=8, loc="left")
+    axes[-1, 0].set_xlabel("requests finished")
+    fig.suptitle(f"Resident memory of each server process: {what}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,14 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if pid:
             sampler.start()
-        outcomes, seconds = asyncio.run(drive(args, url))
+        outcomes, seconds = asyncio.run(drive(args, url, sampler))
         held = left_over(url)
         sampler.done.set()
         summary = report(outcomes, seconds, sampler, held)
         if args.result_json:
-            Path(args.result_json).write_text(json.dumps(summary, indent=2))
+            rows = [[t, n, row] for (t, row), n in zip(sampler.samples, sampler.finished_at)]
+            Path(args.result_json).write_text(json.dumps(summary | {"rss_kib": rows}, indent=1))
         if args.plot and sampler.samples:
-            plot(sampler, args.plot)
+            plot(sampler, args.plot, f"{args.requests} requests, {args.concurrency} concurrent clients")
     finally:
         sampler.done.set()
         if proc is not None:

@@ -290,10 +290,15 @@ class Worker:
         self, model: LlamaForCausalLM, num_layers: int, num_blocks: int
     ) -> list[torch.Tensor]:
         """KV tensors per layer; uninitialised on purpose: the kernels mask every slot beyond a sequence,
-        and untouched host pages are never committed, so a large budget costs nothing until used."""
+        and untouched host pages are never committed, so a large budget costs nothing until used,
+        unless `kv_cache_prefault` asks for every page now (zeroing writes each one)."""
         attn = model.held_layers()[0].self_attn
         shape = (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
-        return [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)]
+        caches = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)]
+        if self.config.cache.kv_cache_prefault and self.device.type == "cpu":
+            for cache in caches:
+                cache.zero_()
+        return caches
 
     def calibrate(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> None:
         """The per-kv-head scales of an fp8 cache (workers/kv_scales.py); nothing for other dtypes."""

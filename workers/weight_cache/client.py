@@ -3,7 +3,8 @@
 Runs in worker processes (and in-process engines). It computes this rank's fingerprint, checks the
 daemon's socket (a real socket, owned by us) and the peer (same uid), asks for the state, and on a
 match builds the model on the meta device and installs the daemon's tensors zero-copy. Any reason not
-to use the cache (no daemon, a fingerprint mismatch naming the fields, a daemon that hangs up) raises
+to use the cache (no daemon, a fingerprint mismatch naming the fields, a daemon that hangs up or does
+not answer within `STATE_TIMEOUT`) raises
 `CacheUnavailable`; the worker then loads from disk and logs the reason in one line.
 """
 
@@ -34,6 +35,8 @@ from workers.weight_cache.fingerprint import (
     socket_path,
 )
 
+STATE_TIMEOUT = 10.0  # s; a ready daemon answers from memory, so silence means it is stopped or wedged
+
 
 class CacheUnavailable(Exception):
     """The weights cannot come from the cache; the message says why (for the one log line)."""
@@ -45,7 +48,7 @@ def cache_socket(config: EngineConfig, device: torch.device, tp_rank: int, role:
     return socket_path(directory, ident, config.parallel.data_parallel_rank, tp_rank, role)
 
 
-def request(path: Path, req: CacheRequest, timeout: float = 300.0) -> tuple[CacheReply, list[int]]:
+def request(path: Path, req: CacheRequest, timeout: float = 10.0) -> tuple[CacheReply, list[int]]:
     """One request to a daemon, with the socket and peer checks."""
     try:
         info = os.lstat(path)
@@ -67,7 +70,9 @@ def request(path: Path, req: CacheRequest, timeout: float = 300.0) -> tuple[Cach
         try:
             send_msg(conn, req)
             return recv_msg(conn, CacheReply)
-        except (ConnectionError, TimeoutError, OSError) as e:
+        except TimeoutError:  # a stopped or wedged daemon: the caller loads from disk instead
+            raise CacheUnavailable(f"the preload daemon at {path} did not answer in {timeout:g} s") from None
+        except (ConnectionError, OSError) as e:
             raise CacheUnavailable(
                 f"the preload daemon at {path} failed during the handshake ({e})"
             ) from None
@@ -111,7 +116,7 @@ def load_from_cache(
     if config.load.preload_wait_timeout > 0:
         wait_ready(path, config.load.preload_wait_timeout)
     fp = fingerprint(config, tp.rank, device_identity(device.type, device.index or 0), role)
-    reply, fds = request(path, CacheRequest(kind="state", fingerprint=fp))
+    reply, fds = request(path, CacheRequest(kind="state", fingerprint=fp), timeout=STATE_TIMEOUT)
     try:
         if reply.status == "mismatch":
             raise CacheUnavailable(f"fingerprint mismatch in {', '.join(reply.fields)}")
