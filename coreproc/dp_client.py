@@ -31,7 +31,7 @@ from coreproc.protocol import (
 )
 
 if TYPE_CHECKING:
-    from coreproc.client import AsyncEngineClient
+    from coreproc.async_client import AsyncEngineClient
 
 
 def make_request(
