@@ -2,15 +2,15 @@
 
 A stopped core (SIGSTOP: it answers nothing) is given up by the frontend after 10 s of silence: the
 streams end with an error event, and with no core left `ember serve` kills it and exits 1 (for a
-supervisor to restart it). A SIGKILLed frontend leaves no process behind:
-the cores notice their launcher is gone and stop, and their workers follow. `ember batch` whose output
-cannot be written (a full disk, a file size limit) stops with one line, leaves whole lines only, and a
-rerun once there is room completes the file without a line lost or repeated. A stopped frontend
-loses nothing: the core aborts its requests after its client timeout, and once resumed every stream
-ends and the server serves on. A stopped preload daemon costs a starting engine `STATE_TIMEOUT`, after
-which it loads from disk. (Workers killed or
-stopped, cores killed, other nodes and Ray nodes lost are in test_multiproc, test_server,
-test_data_parallel, test_multinode and test_ray; docs/RELIABILITY.md collects the times.)
+supervisor to restart it). A stopped frontend loses nothing: the core aborts its requests after its
+client timeout, and once resumed every stream ends and the server serves on. A SIGKILLed frontend
+leaves no process behind: the cores notice their launcher is gone and stop, and their workers follow.
+A stopped preload daemon costs a starting engine `STATE_TIMEOUT`, after which it loads from disk.
+`ember batch` whose output cannot be written (a full disk, a file size limit) stops with one line,
+leaves whole lines only, and a rerun once there is room completes the file without a line lost or
+repeated. (Workers killed or stopped, cores killed, other nodes and Ray nodes lost are in
+test_multiproc, test_server, test_data_parallel, test_multinode and test_ray; docs/RELIABILITY.md
+collects the times.)
 Run: pytest -q -m reliability tests/test_faults.py
 """
 
