@@ -227,8 +227,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   out.copy_(result);
 }
 
-// HF's RMSNorm exactly: h = float(x); y = w * dtype(h * rsqrt(mean(h^2) + eps)), the last product in
-// the weight's dtype. x [T, N] rows contiguous; w [N].
+// HF's RMSNorm up to the float32 sum order: h = float(x); y = w * dtype(h * rsqrt(mean(h^2) + eps)),
+// the last product in the weight's dtype (a bf16 element may differ by one rounding step). x [T, N] rows contiguous; w [N].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.dim() == 1 && weight.size(0) == x.size(1),
               "rms_norm: bad shapes");

@@ -233,16 +233,20 @@ def test_kernel_selection(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_rms_norm(native_ops, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(104)  # a seed whose bf16 rows land on a rounding edge
     norm = RMSNorm(96, 1e-6)
-    norm.weight.data = torch.randn(96)
+    norm.weight.data = torch.randn(96, generator=gen)
     norm = norm.to(dtype)
-    x = torch.randn(7, 3, 96).to(dtype)[:, 1]  # rows of a strided view, as q/k norms see them
+    x = torch.randn(64, 3, 96, generator=gen).to(dtype)[:, 1]  # rows of a strided view, as q/k norms see them
     ref = norm(x)
     install_ops(norm, NativeCpuOps())
     out = norm(x)
     assert out.shape == ref.shape and out.dtype == dtype
     if dtype == torch.bfloat16:
-        assert torch.equal(out, ref)
+        # The float32 sum of squares is vectorized, so its order (and a bf16 rounding now and then) differs
+        # from torch's, and by ISA: equal but for an element in a few hundred, each within two bf16 steps.
+        assert (out != ref).float().mean() < 0.01
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2**-6)
     else:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
