@@ -12,7 +12,6 @@ serves the whole file, and responses name the model that ran (the adapter, or th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
 import sys
@@ -22,11 +21,20 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
-
-import msgspec
+from typing import Any
 
 from coreproc import options
+from coreproc.batch_files import (
+    Answered,
+    BatchItem,
+    LineError,
+    RecordSink,
+    count_lines,
+    parse_line,
+    read_lines,
+    record,
+    scan_output,
+)
 from coreproc.errors import EmberError
 from coreproc.outputs import RequestOutput
 from coreproc.protocol import LoRARef, QueueFull
@@ -37,7 +45,6 @@ from coreproc.text.media_config import MEDIA_SECTIONS, MediaConfig
 from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from coreproc.text.render import Prompt, render_prompts, response_body, take_images
 
-URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 IN_FLIGHT_PER_SEQ = 4  # default --max-in-flight: this many times --max-num-seqs
 
 
@@ -53,148 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     options.add_arguments(parser, (*FEATURE_SECTIONS, *MEDIA_SECTIONS))  # --tool-call-parser, images, ...
-
-
-# ----------------------------------------------------------------------------- input lines
-
-
-class LineError(Exception):
-    """An input line that is not a valid batch request; becomes an error record for that line only."""
-
-    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.custom_id = custom_id
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    line_no: int
-    custom_id: str
-    kind: str  # "completion" | "chat"
-    body: dict
-
-
-def parse_line(line_no: int, raw: bytes, seen: set[str]) -> BatchItem:
-    """One input line; `seen` collects custom_ids so duplicates are refused (LineError)."""
-    fail = lambda code, message, cid=None: LineError(code, f"line {line_no}: {message}", cid)
-    try:
-        obj = msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise fail("invalid_json", f"not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise fail("invalid_line", "a batch line must be a JSON object")
-    cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        raise fail("missing_custom_id", "custom_id must be a non-empty string")
-    if cid in seen:
-        raise fail("duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", cid)
-    seen.add(cid)
-    if obj.get("method", "POST") != "POST":
-        raise fail("invalid_method", "method must be POST", cid)
-    url = obj.get("url")
-    if not isinstance(url, str) or url not in URLS:  # a dict or list url is unhashable
-        raise fail("invalid_url", f"url must be one of {', '.join(URLS)}; got {url!r}", cid)
-    if not isinstance(obj.get("body"), dict):
-        raise fail("missing_body", "body must be a JSON object", cid)
-    return BatchItem(line_no, cid, URLS[url], obj["body"])
-
-
-def read_lines(stream: IO[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, content) of every non-blank line."""
-    for n, raw in enumerate(stream, 1):
-        if raw.strip():
-            yield n, raw
-
-
-def count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for raw in f if raw.strip())
-
-
-# ----------------------------------------------------------------------------- output records
-
-
-@dataclass(frozen=True)
-class Answered:
-    """What an earlier run already wrote: custom_ids with a response, and line-error messages."""
-
-    custom_ids: frozenset[str] = frozenset()
-    line_errors: frozenset[str] = frozenset()
-
-
-def scan_output(path: str) -> Answered:
-    """Read an earlier run's output (if any), cutting off a partial last line (killed mid-write)."""
-    ids: set[str] = set()
-    errors: set[str] = set()
-    if not os.path.exists(path):
-        return Answered()
-    good_end = 0
-    with open(path, "r+b") as f:
-        for raw in f:
-            if not raw.endswith(b"\n"):
-                break
-            good_end += len(raw)
-            try:
-                rec = msgspec.json.decode(raw)
-            except msgspec.DecodeError:
-                continue
-            if not isinstance(rec, dict):
-                continue
-            if rec.get("response") is not None and isinstance(rec.get("custom_id"), str):
-                ids.add(rec["custom_id"])
-            elif isinstance(rec.get("error"), dict):
-                errors.add(str(rec["error"].get("message")))
-        f.truncate(good_end)
-    return Answered(frozenset(ids), frozenset(errors))
-
-
-class RecordSink:
-    """Appends one JSON record per line and makes it durable before returning.
-
-    A record that cannot be written whole (disk full, file size limit, I/O error) is cut off again, so
-    the file only ever holds whole lines, and the run stops with an `EmberError` naming the file: its
-    request is not answered, and a rerun with the same output redoes it."""
-
-    def __init__(self, path: str) -> None:
-        self.path, self.to_stdout = path, path == "-"
-        self.unwritten = 0  # records that could not be written (their requests are not answered)
-        try:
-            self.fd = -1 if self.to_stdout else os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise EmberError(f"cannot write the output file {path}: {e.strerror}") from None
-
-    def write(self, record: dict[str, Any]) -> None:
-        data = msgspec.json.encode(record) + b"\n"
-        if self.to_stdout:
-            sys.stdout.buffer.write(data)
-            sys.stdout.buffer.flush()
-            return
-        end = os.lseek(self.fd, 0, os.SEEK_END)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(self.fd, view) :]
-            os.fsync(self.fd)
-        except OSError as e:
-            self.unwritten += 1
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, end)
-            raise EmberError(f"cannot write the output file {self.path}: {e.strerror}") from None
-
-    def close(self) -> None:
-        if not self.to_stdout:
-            os.close(self.fd)
-
-
-def record(custom_id: str | None, response: dict | None = None, error: dict | None = None) -> dict[str, Any]:
-    """One OpenAI batch output line: a response (any status) or a line-level error."""
-    return {
-        "id": f"batch_req_{uuid.uuid4().hex}",
-        "custom_id": custom_id,
-        "response": response,
-        "error": error,
-    }
 
 
 # ----------------------------------------------------------------------------- the run

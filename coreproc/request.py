@@ -1,7 +1,8 @@
 """The scheduler's view of one request: its tokens, progress, status and why it finished.
 
 Runs in the scheduler process (coreproc). Built from an `EngineRequest`; the scheduler advances
-`num_computed_tokens` when it schedules work and appends sampled tokens from `RunnerOutput`.
+`num_computed_tokens` when it schedules work and appends sampled tokens from `RunnerOutput`, asking the
+request whether each one ends it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,30 @@ class Request:
     def append_output_token(self, token: int) -> None:
         self.output_token_ids.append(token)
         self.all_token_ids.append(token)
+
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """Whether `token`, just appended, ends the request: EOS or a stop token (after `min_tokens`),
+        or its length; a stop token is kept as `stop_reason`."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def unsent_prompt_logprobs(self, entries: list, start: int) -> list:
+        """Of the prompt logprobs a step computed from position `start`, those not sent before (a
+        preempted request computes them again)."""
+        first = start + 1 if start > 0 else 0
+        skip = max(0, self.num_prompt_logprobs_sent - first)
+        self.num_prompt_logprobs_sent = max(self.num_prompt_logprobs_sent, first + len(entries))
+        return entries[skip:]
 
     def __repr__(self) -> str:
         return (

@@ -37,6 +37,7 @@ from coreproc.protocol import (
     SchedulerStats,
 )
 from coreproc.request import Request, RequestStatus
+from coreproc.scheduler_stats import StepCounters, describe, scheduler_stats
 from coreproc.spec_control import SpecControl
 from coreproc.waiting import WaitingQueue, validate
 
@@ -74,16 +75,7 @@ class Scheduler:
         self.spec = config.speculative
         self.speculation = None if self.spec is None else SpecControl(self.spec, self.max_model_len)
         self.lookahead = 0 if self.speculation is None else self.speculation.lookahead
-        self.num_steps = 0
-        self.worker_busy_seconds = 0.0  # summed RunnerOutput.execute_seconds
-        self.structured_seconds = 0.0  # summed RunnerOutput.structured_seconds
-        # where step time goes: the workers' forward / sample / draft seconds, the scheduler's own
-        self.split = dict.fromkeys(
-            ("forward_seconds", "sample_seconds", "draft_seconds", "schedule_seconds"), 0.0
-        )
-        self.num_preemptions = 0
-        self.encoder_hits = 0  # summed RunnerOutput.encoder_hits / encoder_misses
-        self.encoder_misses = 0
+        self.counters = StepCounters()
 
     # ------------------------------------------------------------------ intake
 
@@ -163,7 +155,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # the in-flight token, if any, is dropped and re-sampled
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         if req.in_workers:
             self._forget.append(req.request_id)
             req.in_workers = False
@@ -243,7 +235,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         start = time.perf_counter()
         out = self._schedule()
-        self.split["schedule_seconds"] += time.perf_counter() - start
+        self.counters.schedule_seconds += time.perf_counter() - start
         return out
 
     def _schedule(self) -> SchedulerOutput:
@@ -367,24 +359,10 @@ class Scheduler:
             plain = out.total_num_scheduled_tokens - sum(len(t) for t in spec_tokens.values())
             self.speculation.plan(drafting, plain, out.draft_lengths)
         self.micro.started(out)
-        self.num_steps += 1
+        self.counters.num_steps += 1
         return out
 
     # ------------------------------------------------------------------ update
-
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -395,28 +373,14 @@ class Scheduler:
             req.in_workers = False
         del self.requests[req.request_id]
 
-    def _new_prompt_logprobs(self, req: Request, entries: list, start: int) -> list:
-        """Forward only prompt logprobs not sent before (a preempted request recomputes them)."""
-        first = start + 1 if start > 0 else 0
-        skip = max(0, req.num_prompt_logprobs_sent - first)
-        fresh = entries[skip:]
-        req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, first + len(entries))
-        return fresh
-
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
         start = time.perf_counter()
         self.micro.done(sched)
-        self.worker_busy_seconds += out.execute_seconds
-        self.structured_seconds += out.structured_seconds
-        self.encoder_hits += out.encoder_hits
-        self.encoder_misses += out.encoder_misses
-        self.split["forward_seconds"] += out.forward_seconds
-        self.split["sample_seconds"] += out.sample_seconds
-        self.split["draft_seconds"] += out.draft_seconds
+        self.counters.add_runner_output(out)
         if self.speculation is not None:
             self.speculation.time_step(sched, out)
         outputs = self._take_output(sched, out)
-        self.split["schedule_seconds"] += time.perf_counter() - start
+        self.counters.schedule_seconds += time.perf_counter() - start
         return outputs
 
     def _take_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineOutput]:
@@ -442,7 +406,7 @@ class Scheduler:
             prompt_lps = out.prompt_logprobs.get(rid)
             if prompt_lps is not None:
                 start = req.num_computed_tokens - sched.num_scheduled_tokens[rid]
-                prompt_lps = self._new_prompt_logprobs(req, prompt_lps, start)
+                prompt_lps = req.unsent_prompt_logprobs(prompt_lps, start)
             status = None
             accepted = 0
             if self.speculation is not None:  # rejected proposals' KV positions are computed again
@@ -452,7 +416,7 @@ class Scheduler:
             for token in tokens:
                 req.append_output_token(token)
                 accepted += 1
-                status = self._stop_status(req, token)
+                status = req.stop_status(token, self.max_model_len)
                 if status is not None:
                     break
             if status is not None:
@@ -477,45 +441,8 @@ class Scheduler:
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(  # the engine adds its progress (`has_work`, `stalled`, ...)
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_requests=len(self.requests),
-            num_queued_tokens=self.waiting.num_tokens,
-            kv_usage=self.kv.usage,
-            num_kv_blocks=self.kv.num_blocks,
-            num_blocks_in_use=self.kv.num_blocks_in_use(),
-            num_steps=self.num_steps,
-            worker_busy_seconds=self.worker_busy_seconds,
-            structured_seconds=self.structured_seconds,
-            forward_seconds=self.split["forward_seconds"],
-            sample_seconds=self.split["sample_seconds"],
-            draft_seconds=self.split["draft_seconds"],
-            schedule_seconds=self.split["schedule_seconds"],
-            num_preemptions=self.num_preemptions,
-            prefix_cache_queries=self.kv.queries,
-            prefix_cache_hits=self.kv.hits,
-            prefix_cache_hit_rate=self.kv.hit_rate,
-            mm_cache_hits=self.media.hits,
-            mm_cache_misses=self.media.misses,
-            encoder_cache_hits=self.encoder_hits,
-            encoder_cache_misses=self.encoder_misses,
-            **(self.speculation.stats.as_dict() if self.speculation is not None else {}),  # spec_* fields
-        )
+        return scheduler_stats(self)
 
     def describe(self, limit: int = 8) -> dict:
-        """The scheduler's state for a stall report: counts, free blocks and the first requests."""
-
-        def brief(req: Request) -> str:
-            blocks = len(self.kv.req_blocks.get(req.request_id, []))
-            return f"{req.request_id}:{req.status.name}:{req.num_computed_tokens}/{req.num_tokens}:b{blocks}"
-
-        return {
-            "running": [brief(r) for r in self.running[:limit]],
-            "waiting": [brief(r) for r in list(self.waiting)[:limit]],
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "free_blocks": self.kv.pool.num_free,
-            "token_budget": self.token_budget,
-            "steps": self.num_steps,
-        }
+        """The scheduler's state for a stall report (see `scheduler_stats.describe`)."""
+        return describe(self, limit)

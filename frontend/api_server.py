@@ -7,16 +7,14 @@ one core. /health and /metrics cover every core (`engine` label: the core's rank
 *and* making progress), /ready, /metrics (Prometheus) and /openapi.json; with
 --enable-lora-runtime-updates also /v1/load_lora_adapter and /v1/unload_lora_adapter (without it they do
 not exist: 404). A request's model is the served model or a loaded LoRA adapter (the frontend's list,
-from the core's info and the results of those two routes). Middleware: body size limit (413), API key on
-/v1 (401), CORS. Every error body is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+from the core's info and the results of those two routes). The middleware (body size limit, API key,
+CORS) and the error pages are in `frontend/middleware.py`; every error body is OpenAI-shaped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,12 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from coreproc.client import EngineDeadError, EngineRequestError, connect_engines
 from coreproc.host import engine_version
@@ -49,6 +44,7 @@ from coreproc.text.openai_protocol import (
     parse_completion_request,
 )
 from frontend.metrics import EngineMetrics
+from frontend.middleware import EXCEPTION_HANDLERS, middleware
 from frontend.server_config import ServerConfig
 from frontend.serving import ServingContext, engine_dead_error, error_response, render, serve_generation
 
@@ -58,72 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("ember.server")
 
 STATS_INTERVAL_S = 1.0
-
-
-class BodyLimit:
-    """413 for bodies over the limit, whether announced by Content-Length or streamed in chunks."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._reject(scope, receive, send)
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
-            return msg
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send)
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        err = RequestError(f"request body exceeds {self.limit} bytes", status=413, code="request_too_large")
-        await error_response(err)(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-PROTECTED = ("/v1", "/reset_prefix_cache")  # paths that need the API key (when one is set)
-
-
-class ApiKey:
-    """Requires `Authorization: Bearer <key>` (any of the keys) on /v1 routes and admin routes. The token
-    is hashed once and its digest compared with every key's, without stopping at a match: the time
-    taken tells neither which key matched nor how much of one."""
-
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
-        assert keys, "ApiKey needs at least one key"
-        self.app = app
-        self.digests = [hashlib.sha256(k.encode()).digest() for k in keys]
-
-    def allows(self, token: bytes) -> bool:
-        digest = hashlib.sha256(token).digest()
-        matched = 0
-        for key in self.digests:
-            matched |= hmac.compare_digest(digest, key)
-        return bool(matched)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if not self.allows(token.strip()) or scheme.lower() != b"bearer":
-                err = RequestError("invalid or missing API key", status=401, err_type="authentication_error")
-                return await error_response(err)(scope, receive, send)
-        await self.app(scope, receive, send)
 
 
 class Api:
@@ -425,22 +355,6 @@ class Api:
         )
 
 
-async def internal_error(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error on %s", request.url.path)
-    err = RequestError(f"internal error: {type(exc).__name__}", status=500, err_type="internal_error")
-    return error_response(err)
-
-
-async def not_found(request: Request, exc: Exception) -> Response:
-    err = RequestError(f"no route {request.url.path}", status=404, err_type="not_found_error")
-    return error_response(err)
-
-
-async def not_allowed(request: Request, exc: Exception) -> Response:
-    err = RequestError(f"{request.method} is not allowed on {request.url.path}", status=405)
-    return error_response(err)
-
-
 def build_app(
     addresses: list[str],
     model_dir: str,
@@ -469,24 +383,11 @@ def build_app(
             Route("/v1/load_lora_adapter", api.load_lora_adapter, methods=["POST"]),
             Route("/v1/unload_lora_adapter", api.unload_lora_adapter, methods=["POST"]),
         ]
-    middleware = [Middleware(BodyLimit, limit=cfg.max_request_bytes)]
-    if cfg.api_key:
-        middleware.append(Middleware(ApiKey, keys=cfg.api_key))
-    if cfg.allowed_origins:
-        middleware.insert(
-            0,
-            Middleware(
-                CORSMiddleware,
-                allow_origins=list(cfg.allowed_origins),
-                allow_methods=["*"],
-                allow_headers=["*"],
-            ),
-        )
     app = Starlette(
         routes=routes,
-        middleware=middleware,
+        middleware=middleware(cfg),
         lifespan=api.lifespan,
-        exception_handlers={Exception: internal_error, 404: not_found, 405: not_allowed},
+        exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.api = api
     return app

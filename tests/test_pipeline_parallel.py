@@ -236,4 +236,4 @@ def test_pipelined_schedule_keeps_micro_batches_disjoint(seed):
     assert not sched.has_unfinished_requests() and not in_flight
     assert sched.kv.num_blocks_in_use() == 0
     assert most_in_flight == depth
-    assert sched.num_preemptions > 0, "the small KV cache should force preemption"
+    assert sched.counters.num_preemptions > 0, "the small KV cache should force preemption"

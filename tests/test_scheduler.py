@@ -90,7 +90,7 @@ def test_heavy_kv_pressure_preempts_and_finishes(policy, prefix, overlap):
     ]
     controls = Controls(budget=48, num_blocks=18, max_num_seqs=8, policy=policy, prefix=prefix)
     sched = run_workload(reqs, controls, seed=1, overlap=overlap).sched
-    assert sched.num_preemptions >= 10
+    assert sched.counters.num_preemptions >= 10
     if prefix:
         assert sched.kv.hits > 0
 
@@ -115,7 +115,7 @@ def test_preemption_frees_and_resumes():
             if o.finished:
                 done[o.request_id] = o.finish_reason
     assert done == {"a": "length", "b": "length"}
-    assert sched.num_preemptions >= 1
+    assert sched.counters.num_preemptions >= 1
     assert sched.kv.num_blocks_in_use() == 0
 
 

@@ -44,7 +44,7 @@ from coreproc.protocol import (
     SpawnReply,
     SpawnWorker,
 )
-from frontend import api_server
+from frontend import middleware
 from frontend.api_server import build_app
 from frontend.cli import build_parser, main
 from frontend.server_config import ServerConfig, server_config
@@ -214,14 +214,14 @@ def test_any_of_several_keys_opens_the_protected_routes() -> None:
 @pytest.mark.unit
 def test_every_key_is_compared_whichever_matches(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    real = api_server.hmac.compare_digest
+    real = middleware.hmac.compare_digest
 
     def counting(a: bytes, b: bytes) -> bool:
         calls.append(len(a))
         return real(a, b)
 
-    monkeypatch.setattr(api_server.hmac, "compare_digest", counting)
-    mw = api_server.ApiKey(lambda *a: None, ("k1", "a-much-longer-key-2", "k3"))  # type: ignore[arg-type]
+    monkeypatch.setattr(middleware.hmac, "compare_digest", counting)
+    mw = middleware.ApiKey(lambda *a: None, ("k1", "a-much-longer-key-2", "k3"))  # type: ignore[arg-type]
     for token, ok in ((b"k1", True), (b"k3", True), (b"nope", False), (b"", False)):
         calls.clear()
         assert mw.allows(token) is ok
