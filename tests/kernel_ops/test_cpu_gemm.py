@@ -231,6 +231,14 @@ def test_kernel_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         use_native("cpu")
 
 
+def assert_bf16_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 results of a native op against torch's: float32 work done in another order or with other
+    instructions (and they differ by ISA) can flip a bf16 rounding now and then, so: equal but for an
+    element in a hundred at most, each within two bf16 steps."""
+    assert (out != ref).float().mean() < 0.01
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=2**-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_rms_norm(native_ops, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(104)  # a seed whose bf16 rows land on a rounding edge
@@ -242,11 +250,8 @@ def test_native_rms_norm(native_ops, dtype: torch.dtype) -> None:
     install_ops(norm, NativeCpuOps())
     out = norm(x)
     assert out.shape == ref.shape and out.dtype == dtype
-    if dtype == torch.bfloat16:
-        # The float32 sum of squares is vectorized, so its order (and a bf16 rounding now and then) differs
-        # from torch's, and by ISA: equal but for an element in a few hundred, each within two bf16 steps.
-        assert (out != ref).float().mean() < 0.01
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=2**-6)
+    if dtype == torch.bfloat16:  # the float32 sum of squares is vectorized: its order differs from torch's
+        assert_bf16_matches(out, ref)
     else:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -260,7 +265,8 @@ def test_native_rotary_in_place(native_ops, dtype: torch.dtype, rotary_fraction:
     if rotary_fraction != 1.0:
         cfg.rope_parameters["partial_rotary_factor"] = rotary_fraction
     rope = RotaryEmbedding(cfg, 32, 64)
-    qkv = torch.randn(5, (4 + 2 + 2) * 32).to(dtype)  # q, k as strided views of one projection, as in models
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=gen).to(dtype)  # q, k: strided views of one projection
     q, k, _ = qkv.split([128, 64, 64], dim=-1)
     q, k = q.reshape(5, 4, 32), k.reshape(5, 2, 32)
     positions = torch.tensor([0, 3, 9, 10, 63])
@@ -272,18 +278,18 @@ def test_native_rotary_in_place(native_ops, dtype: torch.dtype, rotary_fraction:
         rope(torch.tensor([0, 1, 2, 3, 64]), q, k)
     for out, ref in ((out_q, ref_q), (out_k, ref_k)):
         if dtype == torch.bfloat16:
-            assert torch.equal(out, ref)
+            assert_bf16_matches(out, ref)
         else:
             torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_silu_and_mul(native_ops, dtype: torch.dtype) -> None:
-    x = (torch.randn(9, 2 * 40) * 4).to(dtype)
+    x = (torch.randn(9, 2 * 40, generator=torch.Generator().manual_seed(2)) * 4).to(dtype)
     out = torch.ops.ember.silu_and_mul(x)
     ref = TorchOps().silu_and_mul(x)
     if dtype == torch.bfloat16:
-        assert torch.equal(out, ref)
+        assert_bf16_matches(out, ref)
     else:
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
