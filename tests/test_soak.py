@@ -36,7 +36,12 @@ def test_concurrent_mixed_load_completes_or_is_refused_and_leaves_nothing(make_c
         assert not errors, errors[:3]
         assert results <= {"ok", "refused", "hung-up"}
         assert sum(o.result == "ok" for o in outcomes) >= 100
-        assert {o.behaviour for o in outcomes if o.result == "ok"} == set(soak.BEHAVIOURS) - {"disconnect"}
+        assert {o.behaviour for o in outcomes if o.result == "ok"} >= set(soak.BEHAVIOURS) - {"disconnect"}
+        # a disconnecting client hangs up after its second event, unless the stream ended in one (an early
+        # EOS of the random model, or every token in one event when the frontend falls behind)
+        quitters = [o for o in outcomes if o.behaviour == "disconnect" and o.result != "refused"]
+        assert any(o.result == "hung-up" for o in quitters)
+        assert all(o.result == "hung-up" or (o.result == "ok" and not o.itls) for o in quitters)
         assert soak.left_over(url) == {}
         # the RSS of the frontend, the core and its worker, sampled against requests finished, and plotted
         sampler.join(5)
