@@ -4,7 +4,8 @@ Runs in the frontend process. The listening socket is bound first (a taken port 
 the model loads), then the `ember-core` processes (one per data-parallel rank) and their workers start
 and report ready, then uvicorn (uvloop) serves the Starlette app on that socket; with
 `--api-server-count N`, N - 1 more frontend processes share the port (frontend.api_servers).
-Ctrl-C / SIGTERM: uvicorn drains, then the other API servers and the cores are stopped.
+Ctrl-C / SIGTERM: uvicorn drains, then the other API servers and the cores are stopped, and the exit
+status is 0 (1 when the cores died first).
 
 Parked mode (`--snapshot-park DIR`, started by `ember snapshot create`): everything is initialized the
 same way, but no socket is bound. The canary request runs through the app in-process, its answer goes
@@ -16,6 +17,7 @@ holds an io_uring descriptor, which CRIU cannot dump.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +26,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,7 +137,8 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                     server = _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout)
                     watch = EngineWatch(server, app, cores)
                     watch.start()
-                    server.run(sockets=[sock])
+                    with stop_signals_end_serving():
+                        server.run(sockets=[sock])
                     dead = watch.dead
                 finally:
                     stop_children(children, args.shutdown_timeout)
@@ -186,8 +190,24 @@ def run_child(args: argparse.Namespace, config: EngineConfig, spec: dict[str, An
     uvicorn, build_app, tokenizer = prepare_http(config.model.tokenizer)
     app = build_app(spec["addresses"], config.model.model, cfg, tokenizer, api_server=spec["index"])
     print(f"ember serve: API server {spec['index']} listening", flush=True)
-    _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout).run(sockets=[sock])
+    with stop_signals_end_serving():
+        _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout).run(sockets=[sock])
     return 0
+
+
+@contextlib.contextmanager
+def stop_signals_end_serving() -> Iterator[None]:
+    """uvicorn drains on SIGTERM / SIGINT and then raises the signal again for the handler it found;
+    the default one would end the process there, before its `finally` blocks stop the API server
+    children and the engine cores (which then log that their launcher is gone). Inside, that handler
+    does nothing, so serving returns and the shutdown goes on in order."""
+    stops = (signal.SIGTERM, signal.SIGINT)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def raise_open_file_limit() -> None:
@@ -282,5 +302,6 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
             f"listening on http://{host}:{port}",
             flush=True,
         )
-        await server.serve(sockets=[sock])
+        with stop_signals_end_serving():
+            await server.serve(sockets=[sock])
     return 0

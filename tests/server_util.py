@@ -13,13 +13,18 @@ import httpx
 
 
 def start_server(
-    model: str, *extra: str, name: str = "llama", verify: ssl.SSLContext | bool = True
+    model: str,
+    *extra: str,
+    name: str = "llama",
+    verify: ssl.SSLContext | bool = True,
+    stderr: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """`ember serve MODEL` on a free port; returns the process and its base URL (http:// or https://)
-    once ready. `verify`: a context that trusts the certificate of a server with TLS."""
+    once ready. `verify`: a context that trusts the certificate of a server with TLS; `stderr`:
+    `subprocess.PIPE` to read the server's log (a short run: nothing drains it meanwhile)."""
     cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
     cmd += ["--served-model-name", name, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
     lines = []
     while not (lines and "listening on" in lines[-1]) and proc.poll() is None:
         lines.append(proc.stdout.readline())

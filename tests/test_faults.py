@@ -5,6 +5,8 @@ streams end with an error event, and with no core left `ember serve` kills it an
 supervisor to restart it). A stopped frontend loses nothing: the core aborts its requests after its
 client timeout, and once resumed every stream ends and the server serves on. A SIGKILLed frontend
 leaves no process behind: the cores notice their launcher is gone and stop, and their workers follow.
+SIGTERM is the normal stop, not a fault, but it is checked here as a whole: open streams finish, every
+process stops in order, and the exit status is 0.
 A stopped preload daemon costs a starting engine `STATE_TIMEOUT`, after which it loads from disk.
 `ember batch` whose output cannot be written (a full disk, a file size limit) stops with one line,
 leaves whole lines only, and a rerun once there is room completes the file without a line lost or
@@ -158,6 +160,32 @@ def test_a_killed_frontend_leaves_no_process(make_ckpt) -> None:
     assert gone(tree, timeout=30), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
     print(f"frontend killed: all {len(tree)} processes gone after {time.monotonic() - killed:.1f} s")
     stop_server(proc)
+
+
+def test_sigterm_drains_streams_then_stops_every_process_and_exits_0(make_ckpt) -> None:
+    """What systemd, Kubernetes and `docker stop` send: an open stream runs to its end, then the API
+    server children and the cores stop in order (no core finds its launcher gone) and the exit is 0."""
+    proc, url = start_server(
+        str(make_ckpt("llama")), "--api-server-count", "2", "-dp", "2", stderr=subprocess.PIPE
+    )
+    tree = descendants(proc.pid)
+    with httpx.stream("POST", f"{url}/v1/completions", json=LONG, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        rest = list(lines)
+    events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+    assert len(events) > 100, "the stream was still running when the signal came"
+    assert (
+        events[-1]["choices"][0]["finish_reason"] == "length" and [x for x in rest if x][-1] == "data: [DONE]"
+    )
+    assert proc.wait(60) == 0
+    assert gone(tree), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
+    log = proc.stderr.read()
+    assert "launching process is gone" not in log and "ERROR" not in log, log
+    took = time.monotonic() - signalled
+    print(f"SIGTERM: the stream finished and all {len(tree)} processes exited 0 in {took:.1f} s")
 
 
 @contextlib.contextmanager
