@@ -54,6 +54,7 @@ from coreproc.protocol import (
 )
 from coreproc.ray_executor import RayExecutor
 from coreproc.startup import boot
+from coreproc.startup.orphan import LauncherWatch
 
 log = logging.getLogger("ember.core")
 
@@ -385,6 +386,7 @@ def run_core_process(
 
     dp = config.parallel
     setproctitle("ember-core" if dp.data_parallel_size == 1 else f"ember-core-dp{dp.data_parallel_rank}")
+    watch = LauncherWatch(parent_pid, "ember-core") if parent_pid is not None else None
     report = None
     if ready_endpoint is not None:
         report_ctx = zmq.Context()
@@ -414,6 +416,8 @@ def run_core_process(
         report.close()
     else:
         print(f"ember core: listening on {server.address}", flush=True)
+    if watch is not None:
+        watch.started()  # the serving loop watches the launcher from here
     return server.serve()
 
 

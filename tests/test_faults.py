@@ -4,7 +4,8 @@ A stopped core (SIGSTOP: it answers nothing) is given up by the frontend after 1
 streams end with an error event, and with no core left `ember serve` kills it and exits 1 (for a
 supervisor to restart it). A stopped frontend loses nothing: the core aborts its requests after its
 client timeout, and once resumed every stream ends and the server serves on. A SIGKILLed frontend
-leaves no process behind: the cores notice their launcher is gone and stop, and their workers follow.
+leaves no process behind: the cores notice their launcher is gone and stop, and their workers follow;
+so does one stopped or killed while the model loads (the core and workers do not load on).
 SIGTERM is the normal stop, not a fault, but it is checked here as a whole: open streams finish, every
 process stops in order, and the exit status is 0.
 A stopped preload daemon costs a starting engine `STATE_TIMEOUT`, after which it loads from disk.
@@ -160,6 +161,49 @@ def test_a_killed_frontend_leaves_no_process(make_ckpt) -> None:
     assert gone(tree, timeout=30), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
     print(f"frontend killed: all {len(tree)} processes gone after {time.monotonic() - killed:.1f} s")
     stop_server(proc)
+
+
+def titled(prefix: str) -> set[int]:
+    """Processes whose title starts with `prefix` (workers forked by a preload zygote are nobody's
+    descendants here)."""
+    return {
+        int(e.name)
+        for e in Path("/proc").iterdir()
+        if e.name.isdigit() and cmdline(int(e.name)).startswith(prefix)
+    }
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_frontend_gone_mid_load_takes_its_core_and_workers(make_ckpt, tmp_path, sig) -> None:
+    """A launcher stopped or killed while the model loads leaves nothing loading on. Here a stopped
+    preload daemon holds the worker's load for 10 s (`STATE_TIMEOUT`); the core and worker must not."""
+    model = str(make_ckpt("llama"))
+    sock = tmp_path / "s"
+    sock.mkdir(mode=0o700)
+    daemon = start_preload(model, sock)
+    target = next(p for p in descendants(daemon.pid) if "ember-preload-target" in cmdline(p))
+    os.kill(target, signal.SIGSTOP)
+    before = titled("ember-worker")
+    try:
+        cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
+        cmd += ["--load-format", "ipc_cache", "--socket-dir", str(sock)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not titled("ember-worker") - before:
+            assert time.monotonic() < deadline and proc.poll() is None, "no worker started"
+            time.sleep(0.05)
+        time.sleep(1.0)  # loading: the worker waits on the stopped daemon
+        tree = descendants(proc.pid) + sorted(titled("ember-worker") - before)
+        assert any("ember-core" in cmdline(p) for p in tree), [cmdline(p) for p in tree]
+        os.kill(proc.pid, sig)
+        stopped = time.monotonic()
+        proc.wait(10)
+        assert gone(tree, timeout=5), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
+        took = time.monotonic() - stopped
+        print(f"frontend {sig.name} mid-load: core and worker gone after {took:.2f} s")
+    finally:
+        os.kill(target, signal.SIGCONT)
+        stop(daemon)
 
 
 def test_sigterm_drains_streams_then_stops_every_process_and_exits_0(make_ckpt) -> None:

@@ -34,6 +34,7 @@ from coreproc.errors import EmberError
 from coreproc.ipc import Codec
 from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
 from coreproc.startup import boot
+from coreproc.startup.orphan import LauncherWatch
 from workers.head_link import connect_head, interface_towards, is_remote
 from workers.parallel import PPGroup, TPGroup
 
@@ -134,6 +135,7 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     codec = Codec(TO_WORKER)
     # watch the core by pidfd: a worker forked by the zygote is not the core's child
     core = os.pidfd_open(parent_pid)
+    watch = LauncherWatch(parent_pid, f"rank {rank}")  # loading runs no loop that watches the core
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(core, zmq.POLLIN)
@@ -151,6 +153,7 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
         worker = Worker(cfg, tp, pp)
         sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
         boot.settle()  # started by coreproc.startup.boot with the collector off
+        watch.started()
         empty = RunnerOutput()
         while True:
             events = dict(poller.poll(PARENT_CHECK_MS))

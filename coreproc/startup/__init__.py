@@ -13,6 +13,8 @@ The process tree of `ember serve` (every name is the process title):
 `ember core` runs the core in the user's process; the offline `LLM` and `ember batch` run the engine
 core in-process (workers in-process or spawned as above). `boot` is the first module of every fresh
 core or worker interpreter: it turns the garbage collector off before the heavy imports, and the role's
-`main` calls `boot.settle()` once its engine or model is up. Modules here import no frontend code;
+`main` calls `boot.settle()` once its engine or model is up. Until then `orphan.LauncherWatch` ends a
+core or worker whose launcher is gone (after that, their serving loops watch it). Modules here import
+no frontend code;
 `boot` imports nothing of Ember (it names the role modules as strings) so every layer may use it.
 """

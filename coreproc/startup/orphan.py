@@ -1,0 +1,47 @@
+"""A process still starting ends when the process that launched it is gone.
+
+The core and its workers watch their launcher in their serving loops, but start-up (building the
+engine, loading weights: minutes for a large model) runs no loop. A launcher stopped or killed
+mid-load used to leave its core and workers loading to the end, holding the memory that the server a
+supervisor starts next needs. `LauncherWatch` starts a thread that waits on the launcher's pidfd
+and ends this process (status 1) if the launcher exits before `started()` is called; from then on the
+serving loop handles a lost launcher its own way (the core drains, a worker leaves its loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+from typing import NoReturn
+
+log = logging.getLogger("ember.startup")
+
+
+class LauncherWatch:
+    """Watches the launcher while this process starts; `started()` ends the watch (and its thread)."""
+
+    def __init__(self, pid: int, name: str) -> None:
+        self.name = name
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._gone()
+        self.wake_r, self.wake_w = os.pipe()
+        threading.Thread(target=self._watch, name="ember-launcher-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        ready, _, _ = select.select([self.fd, self.wake_r], [], [])
+        if self.wake_r not in ready:
+            self._gone()
+        for fd in (self.fd, self.wake_r, self.wake_w):
+            os.close(fd)
+
+    def _gone(self) -> NoReturn:
+        log.warning("%s: the launching process exited during start-up; exiting", self.name)
+        logging.shutdown()
+        os._exit(1)
+
+    def started(self) -> None:
+        os.write(self.wake_w, b"x")
