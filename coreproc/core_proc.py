@@ -30,7 +30,7 @@ from coreproc.engine import EngineCore
 from coreproc.errors import EmberError
 from coreproc.executor import MultiprocExecutor, WorkerError, make_executor
 from coreproc.host import engine_version
-from coreproc.ipc import Codec, CurveServer, bind, check_private_dir, is_loopback_endpoint
+from coreproc.ipc import Codec, CurveServer, bind, check_private_dir, is_loopback_endpoint, remove_runtime_dir
 from coreproc.mm_store import MultiModalCacheMiss
 from coreproc.protocol import (
     KIND_OF,
@@ -93,6 +93,7 @@ class CoreServer:
         self._last_reap = time.monotonic()
         self.stopping_since: float | None = None
         self.parent_pid = parent_pid  # the launcher: if it disappears, nobody is left to serve
+        self.launcher_gone = False
 
     def _bind_and_start(
         self, config: EngineConfig, listen: str, runtime_dir: Path, curve_keys: Path | None
@@ -318,6 +319,7 @@ class CoreServer:
                 self._reap_silent_clients()
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     log.error("the launching process is gone; stopping")
+                    self.launcher_gone = True
                     self.shutdown_timeout = 0.0
                     self.request_stop()
                 if self.stopping_since is not None:
@@ -386,7 +388,9 @@ def run_core_process(
 
     dp = config.parallel
     setproctitle("ember-core" if dp.data_parallel_size == 1 else f"ember-core-dp{dp.data_parallel_rank}")
-    watch = LauncherWatch(parent_pid, "ember-core") if parent_pid is not None else None
+    watch = None
+    if parent_pid is not None:  # a launcher gone mid-load cannot remove its runtime directory
+        watch = LauncherWatch(parent_pid, "ember-core", lambda: remove_runtime_dir(runtime_dir))
     report = None
     if ready_endpoint is not None:
         report_ctx = zmq.Context()
@@ -418,7 +422,10 @@ def run_core_process(
         print(f"ember core: listening on {server.address}", flush=True)
     if watch is not None:
         watch.started()  # the serving loop watches the launcher from here
-    return server.serve()
+    code = server.serve()
+    if server.launcher_gone:
+        remove_runtime_dir(runtime_dir)  # its launcher would have; the workers have exited
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,13 +18,15 @@ def start_server(
     name: str = "llama",
     verify: ssl.SSLContext | bool = True,
     stderr: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """`ember serve MODEL` on a free port; returns the process and its base URL (http:// or https://)
     once ready. `verify`: a context that trusts the certificate of a server with TLS; `stderr`:
-    `subprocess.PIPE` to read the server's log (a short run: nothing drains it meanwhile)."""
+    `subprocess.PIPE` to read the server's log (a short run: nothing drains it meanwhile); `env`: the
+    server's environment (default: this one)."""
     cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
     cmd += ["--served-model-name", name, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     lines = []
     while not (lines and "listening on" in lines[-1]) and proc.poll() is None:
         lines.append(proc.stdout.readline())

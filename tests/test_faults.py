@@ -148,8 +148,17 @@ def test_a_stopped_preload_daemon_costs_a_starting_engine_only_its_timeout(
         stop(daemon)
 
 
-def test_a_killed_frontend_leaves_no_process(make_ckpt) -> None:
-    proc, url = start_server(str(make_ckpt("llama")), "--api-server-count", "2", "-dp", "2")
+def private_runtime(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A directory for a server's runtime directories (sockets), and the environment that puts them there."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    return run, {**os.environ, "XDG_RUNTIME_DIR": str(run)}
+
+
+def test_a_killed_frontend_leaves_no_process(make_ckpt, tmp_path) -> None:
+    run, env = private_runtime(tmp_path)
+    proc, url = start_server(str(make_ckpt("llama")), "--api-server-count", "2", "-dp", "2", env=env)
+    assert len(list(run.glob("ember-*"))) == 2, "each core's runtime directory"
     tree = descendants(proc.pid)
     assert len([p for p in tree if "ember-core" in cmdline(p)]) == 2
     with httpx.stream("POST", f"{url}/v1/completions", json=LONG, timeout=60) as resp:
@@ -160,6 +169,7 @@ def test_a_killed_frontend_leaves_no_process(make_ckpt) -> None:
         proc.wait(10)
     assert gone(tree, timeout=30), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
     print(f"frontend killed: all {len(tree)} processes gone after {time.monotonic() - killed:.1f} s")
+    assert not list(run.glob("ember-*")), "the cores remove the runtime directories their launcher made"
     stop_server(proc)
 
 
@@ -187,7 +197,8 @@ def test_a_frontend_gone_mid_load_takes_its_core_and_workers(make_ckpt, tmp_path
     try:
         cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
         cmd += ["--load-format", "ipc_cache", "--socket-dir", str(sock)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        run, env = private_runtime(tmp_path)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 60
         while not titled("ember-worker") - before:
             assert time.monotonic() < deadline and proc.poll() is None, "no worker started"
@@ -201,16 +212,18 @@ def test_a_frontend_gone_mid_load_takes_its_core_and_workers(make_ckpt, tmp_path
         assert gone(tree, timeout=5), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
         took = time.monotonic() - stopped
         print(f"frontend {sig.name} mid-load: core and worker gone after {took:.2f} s")
+        assert not list(run.glob("ember-*")), "the core removes the runtime directory its launcher made"
     finally:
         os.kill(target, signal.SIGCONT)
         stop(daemon)
 
 
-def test_sigterm_drains_streams_then_stops_every_process_and_exits_0(make_ckpt) -> None:
+def test_sigterm_drains_streams_then_stops_every_process_and_exits_0(make_ckpt, tmp_path) -> None:
     """What systemd, Kubernetes and `docker stop` send: an open stream runs to its end, then the API
     server children and the cores stop in order (no core finds its launcher gone) and the exit is 0."""
+    run, env = private_runtime(tmp_path)
     proc, url = start_server(
-        str(make_ckpt("llama")), "--api-server-count", "2", "-dp", "2", stderr=subprocess.PIPE
+        str(make_ckpt("llama")), "--api-server-count", "2", "-dp", "2", stderr=subprocess.PIPE, env=env
     )
     tree = descendants(proc.pid)
     with httpx.stream("POST", f"{url}/v1/completions", json=LONG, timeout=60) as resp:
@@ -228,6 +241,7 @@ def test_sigterm_drains_streams_then_stops_every_process_and_exits_0(make_ckpt) 
     assert gone(tree), [cmdline(p) for p in tree if os.path.exists(f"/proc/{p}")]
     log = proc.stderr.read()
     assert "launching process is gone" not in log and "ERROR" not in log, log
+    assert not list(run.glob("ember-*")), "runtime directories removed"
     took = time.monotonic() - signalled
     print(f"SIGTERM: the stream finished and all {len(tree)} processes exited 0 in {took:.1f} s")
 

@@ -14,6 +14,7 @@ import logging
 import os
 import select
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 log = logging.getLogger("ember.startup")
@@ -22,8 +23,9 @@ log = logging.getLogger("ember.startup")
 class LauncherWatch:
     """Watches the launcher while this process starts; `started()` ends the watch (and its thread)."""
 
-    def __init__(self, pid: int, name: str) -> None:
-        self.name = name
+    def __init__(self, pid: int, name: str, on_gone: Callable[[], None] | None = None) -> None:
+        """`on_gone`: what the launcher would have cleaned up, done before this process ends."""
+        self.name, self.on_gone = name, on_gone
         try:
             self.fd = os.pidfd_open(pid)
         except ProcessLookupError:
@@ -40,6 +42,8 @@ class LauncherWatch:
 
     def _gone(self) -> NoReturn:
         log.warning("%s: the launching process exited during start-up; exiting", self.name)
+        if self.on_gone is not None:
+            self.on_gone()
         logging.shutdown()
         os._exit(1)
 
