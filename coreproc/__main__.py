@@ -11,8 +11,9 @@ import logging
 import sys
 
 from coreproc import batch
-from coreproc.config import add_engine_arguments
+from coreproc.config import ENGINE_SECTIONS, add_engine_arguments
 from coreproc.errors import run_command
+from coreproc.options import flags
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_arguments(bt)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    return run_command("python -m coreproc batch", lambda: batch.run(args), args.log_level.upper() == "DEBUG")
+    debug = args.log_level.upper() == "DEBUG"
+    return run_command("python -m coreproc batch", lambda: batch.run(args), debug, flags(ENGINE_SECTIONS))
 
 
 if __name__ == "__main__":

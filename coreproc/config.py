@@ -5,7 +5,8 @@ nothing above it. Every engine setting is a field declared with `option(...)` (c
 type, default, help and flag are said here once, and the CLI's engine flags and `LLM(...)`'s keywords
 are derived from them. Values the engine learns while running (KV block count) travel in typed
 messages and are never written back here; facts of the checkpoint (shape, EOS ids) are read once, in
-`ModelConfig.from_dir`. `EngineConfig.create(...)` validates user input and raises `ConfigError`.
+`ModelConfig.from_dir`. `EngineConfig.create(...)` validates user input: each section checks the
+user's values before anything is derived from them, and a `ConfigError` names the keyword at fault.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import difflib
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -24,12 +26,9 @@ from coreproc import options as opt
 from coreproc.errors import ConfigError
 from coreproc.limits import RequestLimits
 from coreproc.lora import LoRAConfig
-from coreproc.model_config import ModelConfig, one_of
-from coreproc.options import option
+from coreproc.model_config import ModelConfig, one_of, read_draft
+from coreproc.options import at_least, option
 from coreproc.parallel_config import ParallelConfig
-
-POLICIES: tuple[str, ...] = ("fcfs", "priority")
-LOAD_FORMATS: tuple[str, ...] = ("auto", "ipc_cache")
 
 __all__ = [
     "ConfigError",
@@ -82,18 +81,13 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError("num_kv_blocks must be at least 1")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ConfigError("kv_cache_memory must be a positive number of bytes")
+            raise ConfigError.bad("block_size", f"must be a power of two, got {self.block_size}")
+        at_least(self, 1, "num_kv_blocks", "kv_cache_memory")
         frac = self.kv_cache_memory_fraction
         if frac is not None and not 0.0 < frac <= 1.0:
-            raise ConfigError("kv_cache_memory_fraction must be in (0, 1]")
-        if self.mm_processor_cache_gb < 0 or self.mm_encoder_cache_gb < 0:
-            raise ConfigError("the multimodal cache sizes must be non-negative")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"):
-            raise ConfigError(f"kv_cache_dtype must be auto, fp8 or fp8_e4m3, got {self.kv_cache_dtype!r}")
+            raise ConfigError.bad("kv_cache_memory_fraction", f"must be in (0, 1], got {frac}")
+        at_least(self, 0, "mm_processor_cache_gb", "mm_encoder_cache_gb")
+        opt.check_choices(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,24 +122,16 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ConfigError("max_num_seqs must be at least 1")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError("max_num_batched_tokens must be at least 1")
-        one_of(self.policy, POLICIES, "scheduling policy")
+        at_least(self, 1, "max_num_seqs", "max_num_batched_tokens")
+        at_least(self, 1, "max_num_queued_requests", "max_num_queued_tokens")
+        at_least(self, 0, "long_prefill_token_threshold")
+        opt.check_choices(self)
         active = self.max_num_active_seqs
         if active is not None and not 1 <= active <= self.max_num_seqs:
-            raise ConfigError(
-                f"max_num_active_seqs must be in [1, max_num_seqs={self.max_num_seqs}], got {active}"
-            )
-        if self.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold must be >= 0")
-        for name in ("max_num_queued_requests", "max_num_queued_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name} must be at least 1")
+            limit = f"must be in [1, max_num_seqs={self.max_num_seqs}], got {active}"
+            raise ConfigError.bad("max_num_active_seqs", limit, also=("max_num_seqs",))
         if self.stall_timeout <= 0:
-            raise ConfigError("stall_timeout must be positive")
+            raise ConfigError.bad("stall_timeout", f"must be positive, got {self.stall_timeout}")
 
     @property
     def max_running(self) -> int:
@@ -169,7 +155,7 @@ class LoadConfig:
     )
 
     def __post_init__(self) -> None:
-        one_of(self.load_format, LOAD_FORMATS, "load format")
+        opt.check_choices(self)
 
 
 SPEC_METHODS = ("ngram", "draft_model")
@@ -190,15 +176,17 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         one_of(self.method, SPEC_METHODS, "speculative method")
         if not 1 <= self.num_speculative_tokens <= 16:
-            raise ConfigError("num_speculative_tokens must be in [1, 16]")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ConfigError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+            raise ConfigError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not 1 <= low <= high:
+            raise ConfigError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {low} and {high}")
         if self.method == "draft_model" and not self.model:
             raise ConfigError('speculative method "draft_model" needs "model": the draft checkpoint folder')
 
     @classmethod
     def parse(cls, text: str | Mapping[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
-        """From `--speculative-config` JSON (or a dict); unknown keys are an error naming them."""
+        """From the `speculative_config` option's JSON (or a dict); every error names the option, and
+        unknown keys are an error naming them."""
         if isinstance(text, SpeculativeConfig):
             return text
         if text is None or text == "":
@@ -206,16 +194,23 @@ class SpeculativeConfig:
         try:
             raw = json.loads(text) if isinstance(text, str) else dict(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"--speculative-config is not valid JSON: {e}") from None
+            raise _speculative_error(f"not valid JSON: {e}") from None
         if not isinstance(raw, dict):
-            raise ConfigError("--speculative-config must be a JSON object")
+            raise _speculative_error(f"must be a JSON object, got {text!r}")
         known = set(cls.__dataclass_fields__) - {"draft"}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ConfigError(
+            raise _speculative_error(
                 f"unknown speculative-config key {unknown[0]!r}; known: {', '.join(sorted(known))}"
             )
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except ConfigError as e:
+            raise _speculative_error(str(e)) from None
+
+
+def _speculative_error(problem: str) -> ConfigError:
+    return ConfigError(f"speculative_config: {problem}", option="speculative_config")
 
 
 @dataclass(frozen=True)
@@ -226,6 +221,11 @@ class DeviceConfig:
     attention_backend: Literal["torch", "triton"] | None = option(
         "attention kernels (default: triton on CUDA, torch on CPU)", None
     )
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError.bad("device", f"must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        opt.check_choices(self)
 
     @property
     def resolved(self) -> str:
@@ -240,27 +240,6 @@ class DeviceConfig:
     @property
     def resolved_type(self) -> str:
         return self.resolved.split(":")[0]
-
-
-def _with_draft(
-    spec: SpeculativeConfig, target: ModelConfig, tp: int, seed: int, device: DeviceConfig
-) -> SpeculativeConfig:
-    """Read the draft checkpoint and check it can serve the target (same vocabulary, context)."""
-    if tp != 1:
-        raise ConfigError("speculative draft_model needs --tensor-parallel-size 1 in this version")
-    draft = ModelConfig.from_dir(
-        spec.model,
-        dtype=target.dtype,
-        max_model_len=target.max_model_len,
-        seed=seed,
-        device=device.resolved_type,
-    )
-    if draft.vocab_size != target.vocab_size:
-        raise ConfigError(
-            f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
-            f"({target.vocab_size}); a draft must share the target's tokenizer"
-        )
-    return dataclasses.replace(spec, draft=draft)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,7 +284,9 @@ class EngineConfig:
             title: {s.field: values[s.keyword] for s in opt.settings(((title, sec),))}
             for title, sec in ENGINE_SECTIONS
         }
-        device = DeviceConfig(**parts["device"])
+        # each section checks the user's values (naming their keywords) before anything derives from them
+        device, cache = DeviceConfig(**parts["device"]), CacheConfig(**parts["cache"])
+        parallel = ParallelConfig(**parts["parallel"])
         m = parts["model"]
         model_cfg = ModelConfig.from_dir(
             m["model"], m["dtype"], m["max_model_len"], m["seed"], device.resolved_type, m["quantization"],
@@ -315,31 +296,26 @@ class EngineConfig:
         if sched["max_num_batched_tokens"] is None:
             sched["max_num_batched_tokens"] = max(2048, min(model_cfg.max_model_len, 8192))
         if sched["long_prefill_token_threshold"] is None:  # 4% of the context, at least one block
-            sched["long_prefill_token_threshold"] = max(
-                parts["cache"]["block_size"], model_cfg.max_model_len // 25
-            )
+            sched["long_prefill_token_threshold"] = max(cache.block_size, model_cfg.max_model_len // 25)
         flags = values["logits_processors"]
         processors = _check_processors((flags,) if isinstance(flags, str) else tuple(flags), model_cfg)
         speculative = SpeculativeConfig.parse(values["speculative_config"])
         if speculative is not None:  # verification needs each step's tokens before the next is planned
             sched["async_scheduling"] = False
         if speculative is not None and speculative.method == "draft_model":
-            if model_cfg.is_multimodal:  # the draft would read image placeholders as text tokens
-                raise ConfigError("a draft model cannot speculate for a vision-language model; use ngram")
-            tp = parts["parallel"]["tensor_parallel_size"]
-            speculative = _with_draft(speculative, model_cfg, tp, model_cfg.seed, device)
-        try:
-            given = parts["request limits"]
-            if extra is not None:  # `request_limits=`: a RequestLimits, or a mapping of some fields
-                given |= dataclasses.asdict(extra) if isinstance(extra, RequestLimits) else dict(extra)
-            limits = RequestLimits.of(given).resolve(sched["max_num_seqs"], model_cfg.vocab_size)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+            tp = parallel.tensor_parallel_size
+            draft = read_draft(speculative.model, model_cfg, tp, device.resolved_type)
+            speculative = dataclasses.replace(speculative, draft=draft)
+        scheduler = SchedulerConfig(**sched)
+        given = parts["request limits"]
+        if extra is not None:  # `request_limits=`: a RequestLimits, or a mapping of some fields
+            given |= dataclasses.asdict(extra) if isinstance(extra, RequestLimits) else dict(extra)
+        limits = RequestLimits.of(given).resolve(scheduler.max_num_seqs, model_cfg.vocab_size)
         config = cls(
             model=model_cfg,
-            cache=CacheConfig(**parts["cache"]),
-            scheduler=SchedulerConfig(**sched),
-            parallel=ParallelConfig(**parts["parallel"]),
+            cache=cache,
+            scheduler=scheduler,
+            parallel=parallel,
             device=device,
             load=LoadConfig(**parts["load"]),
             lora=LoRAConfig(**parts["lora"]),
@@ -359,18 +335,25 @@ class EngineConfig:
 def _check_pipeline(config: EngineConfig) -> None:
     """Refuse, in one line each, what pipeline stages cannot serve in this version; check the layer
     partition against the model."""
+    pp, load = config.parallel.pipeline_parallel_size, config.load
     config.parallel.stage_layers(config.model.num_layers)
-    refused = [
-        (config.load.load_format == "ipc_cache", "the preload weight cache (--load-format ipc_cache)"),
-        (config.load.weights_file is not None, "a snapshot's weights file"),
-        (config.model.is_multimodal, "a vision-language model"),
-        (config.lora.enable_lora, "LoRA adapters (--enable-lora)"),
-        (config.speculative is not None and config.speculative.method == "draft_model", "a draft model"),
-        (config.cache.kv_cache_dtype != "auto", "an fp8 KV cache (its scales come from a whole-model pass)"),
+    draft = config.speculative is not None and config.speculative.method == "draft_model"
+    fp8 = "an fp8 KV cache (kv_cache_dtype: its scales come from a whole-model pass)"
+    refused = [  # (refused, what, the option that asks for it)
+        (load.load_format == "ipc_cache", "the preload weight cache (load_format=ipc_cache)", "load_format"),
+        (load.weights_file is not None, "a snapshot's weights file", ""),
+        (config.model.is_multimodal, "a vision-language model", ""),
+        (config.lora.enable_lora, "LoRA adapters (enable_lora)", "enable_lora"),
+        (draft, "a draft model (speculative_config)", "speculative_config"),
+        (config.cache.kv_cache_dtype != "auto", fp8, "kv_cache_dtype"),
     ]
-    for hit, what in refused:
+    for hit, what, other in refused:
         if hit:
-            raise ConfigError(f"{what} does not support pipeline parallelism; use --pipeline-parallel-size 1")
+            raise ConfigError(
+                f"{what} does not support pipeline parallelism; use pipeline_parallel_size=1, not {pp}",
+                option="pipeline_parallel_size",
+                also=(other,) if other else (),
+            )
 
 
 def _check_processors(flags: tuple[str, ...], model: ModelConfig) -> tuple[str, ...]:
@@ -382,7 +365,7 @@ def _check_processors(flags: tuple[str, ...], model: ModelConfig) -> tuple[str, 
         try:
             load_processors(engine_specs(specs), ProcessorContext(model.vocab_size, model.max_model_len))
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise ConfigError(f"logits_processors: {e}", option="logits_processors") from None
     return specs
 
 

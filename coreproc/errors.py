@@ -3,12 +3,15 @@
 Part of the shared base (imports nothing of Ember), raised in every process. An `EmberError`'s message
 is one line meant for the user: the `ember` command prints it and exits 2, the HTTP server answers 400.
 Any other exception is a bug or a failure of the machine: the command prints its traceback, exits 1.
+A `ConfigError` about a setting names it by keyword (what `EngineConfig.create` and `LLM(...)` take);
+the command says it with the setting's flag instead.
 """
 
 from __future__ import annotations
 
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
 class EmberError(Exception):
@@ -16,7 +19,32 @@ class EmberError(Exception):
 
 
 class ConfigError(EmberError, ValueError):
-    """A configuration value is wrong."""
+    """A configuration value is wrong. `option`: the keyword of the setting at fault, when one is; `also`:
+    other settings the message names. The message names them by keyword; `said_with(flags)` says it
+    in the command line's words."""
+
+    def __init__(self, message: str, option: str | None = None, also: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.option = option
+        self.names = (option, *also) if option else also
+        assert all(_word(n).search(message) for n in self.names), f"{message!r} names {self.names}"
+
+    @classmethod
+    def bad(cls, option: str, problem: str, also: tuple[str, ...] = ()) -> ConfigError:
+        """The usual shape: `<option> <problem>` (`max_num_seqs must be at least 1, got -3`)."""
+        return cls(f"{option} {problem}", option=option, also=also)
+
+    def said_with(self, flags: Mapping[str, str]) -> str:
+        """The message with the first mention of each setting it names replaced by the setting's flag."""
+        text = str(self)
+        for name in self.names:
+            text = _word(name).sub(flags.get(name, name), text, count=1)
+        return text
+
+
+def _word(name: str) -> re.Pattern[str]:
+    """`name` as a whole word (`max_num_seqs`, not the start of `max_num_seqs_per_request`)."""
+    return re.compile(rf"\b{re.escape(name)}\b")
 
 
 class WorkerError(RuntimeError):
@@ -38,9 +66,12 @@ class EngineRequestError(RuntimeError):
         self.param = param
 
 
-def run_command(name: str, func: Callable[[], int], debug: bool = False) -> int:
+def run_command(
+    name: str, func: Callable[[], int], debug: bool = False, flags: Mapping[str, str] | None = None
+) -> int:
     """A command's exit status: its own; 2 with one line on stderr for an `EmberError` (its traceback
-    too with `debug`); 130 on Ctrl-C. Any other exception propagates (traceback, status 1)."""
+    too with `debug`; a `ConfigError` said with `flags`, keyword -> flag); 130 on Ctrl-C. Any other
+    exception propagates (traceback, status 1)."""
     try:
         return func()
     except KeyboardInterrupt:
@@ -48,5 +79,6 @@ def run_command(name: str, func: Callable[[], int], debug: bool = False) -> int:
     except EmberError as e:
         if debug:
             raise
-        print(f"{name}: error: {e}", file=sys.stderr)
+        said = e.said_with(flags) if flags is not None and isinstance(e, ConfigError) else str(e)
+        print(f"{name}: error: {said}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ Runs in the frontend (at parse time, before any prompt is tokenized) and in the 
 socket what HTTP refuses. `RequestLimits` is part of the engine's config, built once; every field is
 an engine option (coreproc.options) (`--max-n`, `--max-prompts-per-request`, ...), and the core
 reports the values to clients in `EngineInfo.limits`. A broken bound raises `InvalidParam` naming
-the field and the limit (HTTP 400).
+the field and the limit (HTTP 400); a bad limit, `ConfigError` naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from coreproc.errors import ConfigError
 from coreproc.options import option
 from coreproc.protocol import InvalidParam
 
@@ -60,10 +61,11 @@ class RequestLimits:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"{f.name} must be a positive integer, got {value!r}")
+                raise ConfigError.bad(f.name, f"must be a positive integer, got {value!r}")
 
     def resolve(self, max_num_seqs: int, vocab_size: int) -> RequestLimits:
-        """Fill the engine-sized defaults (sequences per request, allowed token ids)."""
+        """Fill the engine-sized defaults (sequences per request, allowed token ids) from the engine's
+        checked sizes: the user's own `max_num_seqs` is refused by SchedulerConfig, not here."""
         return dataclasses.replace(
             self,
             max_seqs_per_request=self.max_seqs_per_request or max_num_seqs,
@@ -78,7 +80,7 @@ class RequestLimits:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - names)
         if unknown:
-            raise ValueError(f"unknown request limit {unknown[0]!r}; known: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown request limit {unknown[0]!r}; known: {', '.join(sorted(names))}")
         return cls(**value)
 
     # ------------------------------------------------------------------ checks

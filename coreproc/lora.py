@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from coreproc.errors import ConfigError, EmberError
-from coreproc.options import option
+from coreproc.options import at_least, option
 from coreproc.protocol import LoRARef
 
 # the projections an adapter may target, and the Ember layer (and segment) each one lands in
@@ -58,16 +58,19 @@ class LoRAConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ConfigError("--max-loras and --max-lora-rank must be at least 1")
+        at_least(self, 1, "max_loras", "max_lora_rank")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
-            raise ConfigError("--max-cpu-loras must be at least --max-loras")
+            raise ConfigError.bad(
+                "max_cpu_loras",
+                f"must be at least max_loras={self.max_loras}, got {self.max_cpu_loras}",
+                also=("max_loras",),
+            )
         if self.lora_modules and not self.enable_lora:
-            raise ConfigError("--lora-modules needs --enable-lora")
+            raise ConfigError.bad("lora_modules", "needs enable_lora", also=("enable_lora",))
         for spec in self.lora_modules:
             name, eq, path = spec.partition("=")
             if not (eq and name and path):
-                raise ConfigError(f"--lora-modules takes NAME=PATH, not {spec!r}")
+                raise ConfigError.bad("lora_modules", f"takes NAME=PATH, got {spec!r}")
 
     @property
     def cpu_slots(self) -> int:

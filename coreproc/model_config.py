@@ -1,6 +1,7 @@
 """What a checkpoint says: `ModelConfig`, read once from config.json or a GGUF file's metadata (and EOS).
 
-Part of the shared base (coreproc.config builds the rest of the engine's configuration around it).
+Part of the shared base (coreproc.config builds the rest of the engine's configuration around it);
+`read_draft` reads a speculative draft checkpoint and checks it against the target.
 The architectures and quantization methods named here are those the workers build
 (workers.models, workers.quant; tests/test_layout.py keeps the lists equal).
 """
@@ -47,13 +48,16 @@ def resolve_quantization(name: str | None) -> str | None:
         return QUANTIZATION_ALIASES[name]
     if name not in QUANTIZATION_METHODS:
         supported = ", ".join([*QUANTIZATION_METHODS, *QUANTIZATION_ALIASES])
-        raise ConfigError(f"unknown quantization method {name!r}; supported: {supported}")
+        raise ConfigError(
+            f"unknown quantization method {name!r}; supported: {supported}", option="quantization"
+        )
     return name
 
 
-def one_of(value: Any, allowed: tuple[str, ...], what: str) -> None:
+def one_of(value: Any, allowed: tuple[str, ...], what: str, option: str | None = None) -> None:
+    """ConfigError unless `value` is allowed (`option`: the setting's keyword, when `what` names one)."""
     if value not in allowed:
-        raise ConfigError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+        raise ConfigError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}", option=option)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +131,7 @@ class ModelConfig:
                 f"unsupported architecture {archs or '(none given)'} in {cfg_file}; "
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
-        one_of(dtype, DTYPES, "dtype")
+        one_of(dtype, DTYPES, "dtype", option="dtype")
         image_token_id = None
         if arch in MULTIMODAL_ARCHITECTURES:
             image_token_id = hf.get("image_token_index", hf.get("image_token_id"))
@@ -146,10 +150,10 @@ class ModelConfig:
         if max_model_len is None:
             max_model_len = limit
         elif max_model_len < 2:
-            raise ConfigError("max_model_len must be at least 2")
+            raise ConfigError.bad("max_model_len", f"must be at least 2, got {max_model_len}")
         elif max_model_len > limit:
-            raise ConfigError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}"
+            raise ConfigError.bad(
+                "max_model_len", f"{max_model_len} exceeds the model's max_position_embeddings {limit}"
             )
         return cls(
             model=str(path),
@@ -169,6 +173,31 @@ class ModelConfig:
             revision=revision,
             image_token_id=image_token_id,
         )
+
+
+def read_draft(path: str | None, target: ModelConfig, tensor_parallel_size: int, device: str) -> ModelConfig:
+    """The draft checkpoint that `speculative_config` names, read with the target's dtype and context
+    and checked against it: a text model, one worker, the same vocabulary."""
+    if target.is_multimodal:  # the draft would read image placeholders as text tokens
+        raise ConfigError(
+            "a draft model (speculative_config) cannot speculate for a vision-language model; use ngram",
+            option="speculative_config",
+        )
+    if tensor_parallel_size != 1:
+        raise ConfigError(
+            f"a draft model (speculative_config) needs tensor_parallel_size=1 in this version, "
+            f"got {tensor_parallel_size}",
+            option="speculative_config",
+            also=("tensor_parallel_size",),
+        )
+    draft = ModelConfig.from_dir(path, target.dtype, target.max_model_len, target.seed, device)
+    if draft.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+            f"({target.vocab_size}); a draft (speculative_config) must share the target's tokenizer",
+            option="speculative_config",
+        )
+    return draft
 
 
 def _read_folder(path: Path) -> tuple[dict[str, Any], list[int]]:

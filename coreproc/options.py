@@ -1,22 +1,27 @@
 """Engine settings said once: a config field's type, default, help and CLI spelling, as field metadata.
 
-Imported in every process (part of the shared base: it imports nothing of Ember). A field declared with
-`option(...)` is an engine setting: `add_arguments` derives the argparse flags of every command that
-builds an engine from it (type and `Literal` choices from the annotation, booleans as --x / --no-x),
-`collect` turns parsed arguments into the flat keywords that `EngineConfig.create` and `LLM(...)`
-take, and `defaults` is the one place defaults come from. A `derived` option has no dataclass default:
-left unset (None), `EngineConfig.create` derives it from the model (its help says how).
+Imported in every process (part of the shared base: of Ember it imports only coreproc.errors). A field
+declared with `option(...)` is an engine setting: `add_arguments` derives the argparse flags of every
+command that builds an engine from it (type and `Literal` choices from the annotation, booleans as
+--x / --no-x), `collect` turns parsed arguments into the flat keywords that `EngineConfig.create` and
+`LLM(...)` take, and `defaults` is the one place defaults come from. A `derived` option has no
+dataclass default: left unset (None), `EngineConfig.create` derives it from the model (its help says
+how). Configs refuse a value with a `ConfigError` naming the option's keyword (`check_choices` does
+it for every `Literal` option); `flags` is how a command says it with the flag instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from coreproc.errors import ConfigError
 
 # a dataclass default of MISSING: the field is required when the dataclass is built directly
 MISSING: Any = dataclasses.MISSING
@@ -91,6 +96,42 @@ def settings(sections: tuple[tuple[str, type], ...]) -> Iterator[Setting]:
             opt = f.metadata.get("option")
             if opt is not None:
                 yield Setting(title, f.name, opt, hints[f.name])
+
+
+def flags(sections: tuple[tuple[str, type], ...]) -> dict[str, str]:
+    """Each option's keyword -> its flag: how a command says a `ConfigError` (`ConfigError.said_with`)."""
+    return {s.keyword: s.flag for s in settings(sections)}
+
+
+@functools.cache
+def _literal_settings(cls: type) -> list[tuple[Setting, tuple[Any, ...]]]:
+    """The options of `cls` annotated with a `Literal`, with its values (None too where allowed)."""
+    found = []
+    for s in settings(((cls.__name__, cls),)):
+        base = _base_type(s.annotation)
+        if typing.get_origin(base) is Literal:
+            none = (None,) if base is not s.annotation else ()  # `Literal[...] | None`
+            found.append((s, (*typing.get_args(base), *none)))
+    return found
+
+
+def check_choices(config: Any) -> None:
+    """Each `Literal` option of a config dataclass holds one of its values: what the CLI's choices
+    check, checked for `create()` and `LLM(...)` too (ConfigError naming the keyword)."""
+    for s, allowed in _literal_settings(type(config)):
+        value = getattr(config, s.field)
+        if value not in allowed:
+            named = ", ".join(str(a) for a in allowed if a is not None)
+            raise ConfigError(f"unknown {s.keyword} {value!r}; choose one of {named}", option=s.keyword)
+
+
+def at_least(config: Any, low: int, *fields: str) -> None:
+    """Each named option field of a config dataclass (a field named as its keyword) is unset (None) or
+    at least `low` (ConfigError naming it)."""
+    for name in fields:
+        value = getattr(config, name)
+        if value is not None and value < low:
+            raise ConfigError.bad(name, f"must be at least {low}, got {value}")
 
 
 def _base_type(annotation: Any) -> Any:

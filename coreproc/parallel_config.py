@@ -13,8 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from coreproc import options
 from coreproc.errors import ConfigError
-from coreproc.options import option
+from coreproc.options import at_least, option
 
 __all__ = ["RAY_MISSING", "ParallelConfig"]
 
@@ -64,17 +65,15 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
-            raise ConfigError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
-        if self.data_parallel_size < 1 or not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ConfigError("data_parallel_rank must be in [0, data_parallel_size)")
+        at_least(self, 1, "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes")
+        _rank_of(self.data_parallel_rank, "data_parallel_rank", self.data_parallel_size, "data_parallel_size")
+        _rank_of(self.node_rank, "node_rank", self.nnodes, "nnodes")
+        options.check_choices(self)
         if self.distributed_executor_backend == "ray":
             import importlib.util
 
             if importlib.util.find_spec("ray") is None:
                 raise ConfigError(RAY_MISSING)
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError("node_rank must be in [0, nnodes)")
         if self.nnodes > 1:
             self._check_nodes()
         if self.pp_layer_partition is not None:
@@ -87,19 +86,28 @@ class ParallelConfig:
 
     def _check_nodes(self) -> None:
         """Several nodes (mp backend): each holds the same number of whole ranks of one engine."""
-        nodes = f"--nnodes {self.nnodes}"
+
+        def refused(problem: str, *also: str) -> ConfigError:
+            return ConfigError(f"nnodes={self.nnodes} {problem}", option="nnodes", also=also)
+
         if self.distributed_executor_backend != "mp":
-            raise ConfigError(f"{nodes} is for the mp backend; Ray places its workers itself")
+            backend = "distributed_executor_backend"
+            raise refused(f"is for {backend}=mp; Ray places its workers itself", backend)
         if not self.master_addr or not self.master_port:
-            raise ConfigError(f"{nodes} needs --master-addr and --master-port (the head's address and port)")
+            what = "needs master_addr and master_port (the head's address and port)"
+            raise refused(what, "master_addr", "master_port")
         if not 0 < self.master_port < 65535:
-            raise ConfigError(f"--master-port {self.master_port} must leave PORT + 1 for the workers' link")
-        if self.world_size % self.nnodes:
-            raise ConfigError(
-                f"{nodes} must divide the {self.world_size} workers (tensor x pipeline parallel size) evenly"
+            port = self.master_port
+            raise ConfigError.bad(
+                "master_port", f"must be in [1, 65534] (PORT + 1 is the workers' link), got {port}"
             )
+        if self.world_size % self.nnodes:
+            sizes = ("tensor_parallel_size", "pipeline_parallel_size")
+            raise refused(f"must divide the {self.world_size} workers ({' x '.join(sizes)}) evenly", *sizes)
         if self.data_parallel_size > 1:
-            raise ConfigError(f"{nodes} with --data-parallel-size > 1 is not supported in this version")
+            raise refused(
+                "with data_parallel_size > 1 is not supported in this version", "data_parallel_size"
+            )
 
     @property
     def ranks_per_node(self) -> int:
@@ -131,19 +139,19 @@ class ParallelConfig:
     def _partition(self) -> list[int]:
         """`--pp-layer-partition` as layer counts, one positive count per stage."""
         text = self.pp_layer_partition or ""
+        name = "pp_layer_partition"
         try:
             counts = [int(part) for part in text.split(",")]
         except ValueError:
-            raise ConfigError(
-                f"--pp-layer-partition must be comma-separated integers, got {text!r}"
-            ) from None
+            raise ConfigError.bad(name, f"must be comma-separated integers, got {text!r}") from None
         if len(counts) != self.pipeline_parallel_size:
-            raise ConfigError(
-                f"--pp-layer-partition {text!r} has {len(counts)} stages; "
-                f"--pipeline-parallel-size is {self.pipeline_parallel_size}"
+            raise ConfigError.bad(
+                name,
+                f"{text!r} has {len(counts)} stages; pipeline_parallel_size is {self.pipeline_parallel_size}",
+                also=("pipeline_parallel_size",),
             )
         if min(counts) < 1:
-            raise ConfigError(f"--pp-layer-partition {text!r}: every pipeline stage needs at least one layer")
+            raise ConfigError.bad(name, f"{text!r}: every pipeline stage needs at least one layer")
         return counts
 
     def stage_layers(self, num_layers: int) -> list[tuple[int, int]]:
@@ -151,13 +159,13 @@ class ParallelConfig:
         the spare layers going to the stages before the last (which also runs the LM head)."""
         pp = self.pipeline_parallel_size
         if pp > num_layers:
-            raise ConfigError(f"--pipeline-parallel-size {pp} exceeds the model's {num_layers} layers")
+            raise ConfigError.bad("pipeline_parallel_size", f"{pp} exceeds the model's {num_layers} layers")
         if self.pp_layer_partition is not None:
             counts = self._partition()
             if sum(counts) != num_layers:
-                raise ConfigError(
-                    f"--pp-layer-partition {self.pp_layer_partition!r} covers {sum(counts)} layers; "
-                    f"the model has {num_layers}"
+                raise ConfigError.bad(
+                    "pp_layer_partition",
+                    f"{self.pp_layer_partition!r} covers {sum(counts)} layers; the model has {num_layers}",
                 )
         else:
             counts = [num_layers // pp] * pp
@@ -165,3 +173,9 @@ class ParallelConfig:
                 counts[pp - 2 - stage] += 1
         starts = [sum(counts[:i]) for i in range(pp)]
         return [(start, start + n) for start, n in zip(starts, counts)]
+
+
+def _rank_of(rank: int, name: str, size: int, size_name: str) -> None:
+    """`rank` (option `name`) is one of the `size` ranks that option `size_name` says there are."""
+    if not 0 <= rank < size:
+        raise ConfigError.bad(name, f"must be in [0, {size_name}={size}), got {rank}", also=(size_name,))

@@ -3,7 +3,8 @@
 Runs in the user's shell process. Subcommands import their modules lazily so `ember --help` is fast.
 Engine flags (vLLM's names) are derived from the config's options (coreproc.config.ENGINE_SECTIONS).
 Errors a user can fix (`EmberError`: bad flag values, missing or mismatched model files, bad prompts)
-end with exit status 2 and one line on stderr; anything else prints its traceback (exit 1).
+end with exit status 2 and one line on stderr, a bad engine setting named by its flag (the config
+names the keyword); anything else prints its traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from coreproc.config import add_engine_arguments, engine_options
+from coreproc.config import ENGINE_SECTIONS, add_engine_arguments, engine_options
 from coreproc.errors import run_command
 from coreproc.model_config import MODEL_HELP
+from coreproc.options import flags
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     debug = args.log_level.upper() == "DEBUG"
-    return run_command(f"ember {args.command}", lambda: func(args), debug)
+    return run_command(f"ember {args.command}", lambda: func(args), debug, flags(ENGINE_SECTIONS))
 
 
 if __name__ == "__main__":

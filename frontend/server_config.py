@@ -108,7 +108,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     names = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in ("features", "media")]
     cfg = ServerConfig(**{name: values[name] for name in names}, features=features, media=media)
     if cfg.api_server_count < 1:
-        raise ConfigError("--api-server-count must be at least 1")
+        raise ConfigError(f"--api-server-count must be at least 1, got {cfg.api_server_count}")
     if cfg.api_key_file is not None:
         cfg = dataclasses.replace(cfg, api_key=cfg.api_key + read_key_file(cfg.api_key_file))
     check_keys(cfg.api_key)

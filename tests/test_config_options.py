@@ -184,8 +184,8 @@ def test_draft_model_is_read_and_checked() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"scheduling_policy": "lifo"}, "unknown scheduling policy 'lifo'; choose one of fcfs, priority"),
-        ({"load_format": "tape"}, "unknown load format 'tape'"),
+        ({"scheduling_policy": "lifo"}, "unknown scheduling_policy 'lifo'; choose one of fcfs, priority"),
+        ({"load_format": "tape"}, "unknown load_format 'tape'"),
         ({"dtype": "int3"}, "unknown dtype 'int3'"),
         ({"quantization": "gptq"}, "unknown quantization method 'gptq'"),
         ({"max_num_seq": 3}, "unknown engine option 'max_num_seq'; did you mean 'max_num_seqs'?"),
@@ -212,7 +212,7 @@ def test_request_limits_mapping_and_flat_keywords_compose() -> None:
     "argv, message",
     [
         (["serve", "--scheduling-policy", "lifo"], "argument --scheduling-policy: invalid choice: 'lifo'"),
-        (["generate", "hi", "--max-n", "0"], "max_n must be a positive integer, got 0"),
+        (["generate", "hi", "--max-n", "0"], "--max-n must be a positive integer, got 0"),
     ],
 )
 def test_cli_refuses_bad_values_in_one_line(argv: list[str], message: str) -> None:
@@ -242,7 +242,7 @@ def test_serve_help_lists_each_engine_option_once_with_its_group_and_default() -
 def test_llm_refuses_an_unknown_policy_before_building_anything() -> None:
     from coreproc import LLM
 
-    with pytest.raises(ConfigError, match="unknown scheduling policy 'lifo'; choose one of fcfs, priority"):
+    with pytest.raises(ConfigError, match="unknown scheduling_policy 'lifo'; choose one of fcfs, priority"):
         LLM(scheduling_policy="lifo")
 
 

@@ -125,7 +125,7 @@ def test_flags_reach_the_config_and_defaults_follow_the_engine(make_ckpt):
         EngineConfig.create(ckpt, request_limits={"max_n": 0})
     with pytest.raises(ConfigError, match="unknown request limit 'max_tokens'"):
         EngineConfig.create(ckpt, request_limits={"max_tokens": 3})
-    with pytest.raises(ConfigError, match="unknown scheduling policy 'lifo'"):  # was never checked
+    with pytest.raises(ConfigError, match="unknown scheduling_policy 'lifo'"):  # was never checked
         EngineConfig.create(ckpt, scheduling_policy="lifo")
 
 
@@ -187,7 +187,9 @@ def test_the_requests_that_took_the_server_down_are_400s_at_once(server):
         ):
             start = time.monotonic()
             r = http.post("/v1/completions", json=body)
-            assert time.monotonic() - start < 1.0
+            # refused before anything is built for the sequences: a fraction of a second here (the
+            # bound leaves a loaded host room; building 100,000 sequences took the server down)
+            assert time.monotonic() - start < 5.0
             assert r.status_code == 400 and r.json()["error"]["param"] == param
         assert rss_kib(proc.pid) < before + 20 * 1024, "the frontend's memory must not grow"
         # more bounds over HTTP, each naming its field

@@ -4,7 +4,8 @@ Imported where requests come in (the HTTP frontend, batch mode, the offline API)
 it stays light: no transformers, no Pillow, no httpx. `MediaConfig.request_kwargs` applies the trust
 rule: a request's `mm_processor_kwargs` / `media_io_kwargs` are a 400 naming the field unless the
 server runs with `--trust-request-mm-kwargs`; then they are merged over the server's
-(`--mm-processor-kwargs`) into the `MediaKwargs` that `coreproc.text.media` processes with.
+(`--mm-processor-kwargs`) into the `MediaKwargs` that `coreproc.text.media` processes with. These
+settings are flags, not `LLM(...)` keywords (`LLM(media=MediaConfig(...))`): their errors name the flag.
 """
 
 from __future__ import annotations
@@ -62,9 +63,14 @@ class MediaConfig:
 
     def __post_init__(self) -> None:
         if self.media_fetch_timeout <= 0:
-            raise ConfigError("--media-fetch-timeout must be positive")
-        if self.max_image_bytes < 1 or self.max_image_pixels < 1 or self.media_workers < 1:
-            raise ConfigError("--max-image-bytes, --max-image-pixels and --media-workers must be at least 1")
+            raise ConfigError(f"--media-fetch-timeout must be positive, got {self.media_fetch_timeout}")
+        for flag, value in (
+            ("--max-image-bytes", self.max_image_bytes),
+            ("--max-image-pixels", self.max_image_pixels),
+            ("--media-workers", self.media_workers),
+        ):
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
         _ = self.max_images, self.processor_kwargs  # parse errors now, as ConfigError
 
     @cached_property
@@ -97,7 +103,9 @@ class MediaConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"--mm-processor-kwargs is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ConfigError("--mm-processor-kwargs must be a JSON object")
+            raise ConfigError(
+                f"--mm-processor-kwargs must be a JSON object, got {self.mm_processor_kwargs!r}"
+            )
         return value
 
     def request_kwargs(self, mm_processor_kwargs: Any = None, media_io_kwargs: Any = None) -> MediaKwargs:
