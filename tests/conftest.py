@@ -75,3 +75,29 @@ def make_ckpt(ckpt_root: Path):
 def tiny_ckpt(request: pytest.FixtureRequest, make_ckpt) -> Path:
     """One tiny float32 checkpoint per supported architecture."""
     return make_ckpt(request.param)
+
+
+# A CPU-like cost model for speculation plans: a decode step reads the weights once (a fixed part)
+# plus a little per token; so does a draft forward, at a third of the target's price.
+STEADY_STEP_S, STEADY_TOKEN_S = 0.02, 0.0005
+STEADY_DRAFT_S, STEADY_DRAFT_TOKEN_S = 0.006, 0.0002
+
+
+@pytest.fixture
+def steady_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Speculation plans from fixed step costs instead of the steps' measured seconds: the adaptive
+    proposal lengths (coreproc/spec_decode.py) then depend on the tokens alone, so acceptance counters
+    are the same on every CPU and under any load. Reaches engines whose scheduler runs in the test's
+    process (`LLM`); a served engine's counters are made deterministic with `"adaptive": false`."""
+    from coreproc.spec_decode import StepCost
+
+    record, record_draft = StepCost.record, StepCost.record_draft
+
+    def steady(self: StepCost, tokens: int, seconds: float) -> None:
+        record(self, tokens, STEADY_STEP_S + STEADY_TOKEN_S * tokens)
+
+    def steady_draft(self: StepCost, forwards: list[tuple[int, float]]) -> None:
+        record_draft(self, [(t, STEADY_DRAFT_S + STEADY_DRAFT_TOKEN_S * t) for t, _ in forwards])
+
+    monkeypatch.setattr(StepCost, "record", steady)
+    monkeypatch.setattr(StepCost, "record_draft", steady_draft)

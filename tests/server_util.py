@@ -8,8 +8,12 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 
 def start_server(
@@ -68,7 +72,20 @@ def metric(url: str, name: str, label: str = "") -> float:
     return sum(values)
 
 
-def wait_idle(url: str, timeout: float = 15.0) -> None:
+def eventually(read: Callable[[], T], done: Callable[[T], bool], timeout: float = 30.0) -> T:
+    """Poll `read()` until `done` holds for its value, and return that value; past `timeout` return
+    the last one (the caller's assertion then says what was wrong). For state that other processes
+    publish on their own clock (engine stats reach /metrics every second): a fixed sleep before
+    reading is a bet on how loaded the host is."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        value = read()
+    return value
+
+
+def wait_idle(url: str, timeout: float = 30.0) -> None:
     """Until the engine reports no KV blocks in use and nothing running (stats refresh every second)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -3,9 +3,9 @@
 On the bundled (trained) model in bf16, Ember with the native matmul, decode attention and norm stays
 on Hugging Face's float32 greedy path at least as long as Hugging Face's own bf16 `generate()` does,
 with logprobs within bf16 noise; and the same engine with EMBER_CPU_KERNELS=torch (every op on its
-torch reference) gives the same tokens. fp8_per_tensor on the native fp8 matmul stays as close to the
-float32 run of the same quantized weights as fp8 on torch's bf16 ops. Skips where the native ops
-cannot be built.
+torch reference) gives the same tokens up to a near-tie (other sum orders round bf16 apart).
+fp8_per_tensor on the native fp8 matmul stays as close to the float32 run of the same quantized
+weights as fp8 on torch's bf16 ops. Skips where the native ops cannot be built.
 Run: `pytest -q tests/test_cpu_fast_path.py`.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_ref import PROMPT_TEXTS, check_outputs_equal, hf_greedy
+from hf_ref import PROMPT_TEXTS, Greedy, check_greedy_close, greedy_runs, hf_greedy
 
 from coreproc import LLM, SamplingParams
 from coreproc.host import default_model_dir
@@ -34,12 +34,16 @@ def native() -> None:
         pytest.skip(f"native CPU ops unavailable: {reason}")
 
 
+def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[Greedy]:
+    """Greedy tokens with the top two logprobs at each (a near-tie shows as two close ones)."""
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=2)
+    return greedy_runs(llm.generate(prompts, params, use_tqdm=False))
+
+
 def run(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    toks = [o.outputs[0].token_ids for o in outs]
-    lps = [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
-    return toks, lps
+    """Greedy tokens and the logprob of each."""
+    runs = run_greedy(llm, prompts)
+    return [t for t, _ in runs], [[top[t] for t, top in zip(toks, tops)] for toks, tops in runs]
 
 
 def assert_logprobs_close(a: list[list[float]], b: list[list[float]]) -> None:
@@ -58,12 +62,14 @@ def bf16_engine(quantization: str | None = None) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def native_run() -> tuple[list[list[int]], list[list[int]], list[list[float]], object]:
+def native_run() -> tuple[list[list[int]], list[list[int]], list[list[float]], object, list[Greedy]]:
     with bf16_engine() as llm:
         worker = llm.engine.executor.worker
         prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS]
-        toks, lps = run(llm, prompts)
-        return prompts, toks, lps, (worker.linear_kernel, worker.backend.name, worker.runner)
+        runs = run_greedy(llm, prompts)
+        toks = [t for t, _ in runs]
+        lps = [[top[t] for t, top in zip(ts, tops)] for ts, tops in runs]
+        return prompts, toks, lps, (worker.linear_kernel, worker.backend.name, worker.runner), runs
 
 
 def agreed(ours: list[list[int]], ref: list[list[int]]) -> list[int]:
@@ -75,7 +81,7 @@ def test_bf16_native_engine_tracks_hf(native_run) -> None:
     """bf16 greedy runs part ways with float32 ones after a while, Hugging Face's own included, so the
     bar is: Ember bf16 follows HF float32 at least as far as HF bf16 does, and its logprobs along the
     shared prefix are within bf16 noise of HF float32's."""
-    prompts, toks, lps, (kernel, backend, runner) = native_run
+    prompts, toks, lps, (kernel, backend, runner), _ = native_run
     assert (kernel, backend) == ("cpu_bf16", "cpu")
     assert runner.model.model.layers[0].mlp.down_proj.weight.dim() == 3, "linear weights must be packed"
     assert isinstance(runner.model.model.norm.ops, NativeCpuOps)
@@ -90,15 +96,18 @@ def test_bf16_native_engine_tracks_hf(native_run) -> None:
 
 
 def test_bf16_native_matches_torch_ops(native_run, monkeypatch: pytest.MonkeyPatch) -> None:
-    prompts, toks, lps, _ = native_run
+    """Both round to bf16 after every op but sum in other orders (and the native ones differ by ISA):
+    greedy tokens equal with logprobs within bf16 noise, up to a near-tie a rounding may break either
+    way."""
+    prompts, native = native_run[0], native_run[4]
     monkeypatch.setenv("EMBER_CPU_KERNELS", "torch")
     with bf16_engine() as llm:
         worker = llm.engine.executor.worker
         assert (worker.linear_kernel, worker.backend.name) == ("torch", "torch")
         assert worker.runner.forward is worker.runner.model, "no one-call layers on the torch ops"
-        ref_toks, ref_lps = run(llm, prompts)
-    check_outputs_equal(toks, ref_toks)
-    assert_logprobs_close(lps, ref_lps)
+        ref = run_greedy(llm, prompts)
+    parted = check_greedy_close(native, ref, tie=BF16_LOGPROB_TOL, atol=BF16_LOGPROB_TOL)
+    print(f"native against torch ops: {len(prompts) - parted} of {len(prompts)} prompts identical")
 
 
 def forced_logprobs(llm: LLM, seqs: list[list[int]], skip: list[int]) -> list[float]:
@@ -199,7 +208,9 @@ def test_fused_decoder_layers_equal_the_module_path(
     assert len(calls) == (MAX_NEW - 1 if fused else 0) and first == second
 
 
-def test_speculative_verification_rows_equal_plain_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_speculative_verification_rows_equal_plain_decode(
+    monkeypatch: pytest.MonkeyPatch, steady_step_costs: None
+) -> None:
     """With the one-call layers, a verification step runs each proposed position as a decode row of
     its own, so n-gram speculation gives exactly the tokens and logprobs of plain decoding."""
     sizes = []
@@ -227,19 +238,15 @@ def test_short_prompts_prefill_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -
     real_run = fused_decode.run
     monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[3].shape[0]) or real_run(*a))
     prompts = [[1, 17, 5, 9, 33, 2, 8], [1, 4], [1, *range(60, 60 + fused_decode.MAX_QUERY - 1)]]
-    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
     args = {"dtype": "bfloat16", "enable_prefix_caching": False, "show_progress": False}
     with LLM(str(default_model_dir()), **args) as llm:
         runner = llm.engine.executor.worker.runner
-        fused = llm.generate(prompts, params, use_tqdm=False)
+        fused = greedy_runs(llm.generate(prompts, params, use_tqdm=False))
         assert sizes == [sum(map(len, prompts))]
         runner.forward = runner.model  # the module path, on the same native ops
-        module = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(fused, module, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        lp_a = next(iter(a.outputs[0].logprobs[0].values())).logprob
-        lp_b = next(iter(b.outputs[0].logprobs[0].values())).logprob
-        assert abs(lp_a - lp_b) <= BF16_LOGPROB_TOL
+        module = greedy_runs(llm.generate(prompts, params, use_tqdm=False))
+    check_greedy_close(fused, module, tie=BF16_LOGPROB_TOL, atol=BF16_LOGPROB_TOL)
 
 
 @pytest.fixture(scope="module")

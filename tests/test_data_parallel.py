@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hf_ref import PROMPT_TEXTS
-from server_util import metric, start_server, stop_server, wait_idle
+from server_util import eventually, metric, start_server, stop_server, wait_idle
 from test_multiproc import children, cmdline, gone
 
 from coreproc import LLM, SamplingParams
@@ -193,8 +193,8 @@ def test_dp2_greedy_outputs_equal_a_single_engine(dp_server, reference) -> None:
     before = routed(url)
     got = [complete(url, p)["choices"][0]["text"] for p in PROMPT_TEXTS]
     assert got == reference
-    time.sleep(1.2)  # the frontend mirrors routing counts every second
-    after = routed(url)
+    # the frontend mirrors routing counts every second
+    after = eventually(lambda: routed(url), lambda now: all(a > b for a, b in zip(now, before)))
     assert all(a > b for a, b in zip(after, before)), "both cores served some of the prompts"
 
 
@@ -230,8 +230,7 @@ def test_256_streams_spread_over_both_cores(dp_server) -> None:
     before = routed(url)
     results = asyncio.run(_streams(url, 256, 16))
     assert all(reason == "length" for reason, _ in results)
-    time.sleep(1.2)
-    split = [a - b for a, b in zip(routed(url), before)]
+    split = eventually(lambda: [a - b for a, b in zip(routed(url), before)], lambda now: sum(now) == 256)
     print(f"256 streams: core 0 took {split[0]:.0f}, core 1 took {split[1]:.0f}")
     assert sum(split) == 256 and min(split) >= 96, split
     wait_idle(url)  # every core freed every KV block
@@ -245,8 +244,7 @@ def test_prefix_routing_keeps_a_prompt_family_on_one_core(llama) -> None:
         for repeat in range(4):
             for f, prefix in enumerate(families):
                 complete(url, [*prefix, 7, repeat, f], max_tokens=2, min_tokens=2)
-        time.sleep(1.2)
-        hits = metric(url, "ember_prefix_cache_hits_total")
+        hits = eventually(lambda: metric(url, "ember_prefix_cache_hits_total"), lambda h: h == 4 * 3 * 64)
         assert hits == 4 * 3 * 64, "every repeat found its family's four blocks on the core it went to"
         assert min(routed(url)) > 0, "the families were spread over both cores"
     finally:
@@ -320,8 +318,8 @@ def test_api_servers_share_the_port_and_the_cores(llama, reference) -> None:
         assert texts == [reference[k % len(reference)] for k in range(32)]  # a new connection each
         served = [metric(url, "ember_api_server_requests_total", f'api_server="{i}"') for i in (0, 1)]
         assert sum(served) == 32 and min(served) > 0, served  # the kernel spread them
-        time.sleep(1.2)
-        assert sum(routed(url)) == 32 and min(routed(url)) > 0  # both servers' routing, added up
+        now = eventually(lambda: routed(url), lambda r: sum(r) == 32)
+        assert sum(now) == 32 and min(now) > 0  # both servers' routing, added up
         assert metric(url, "ember_requests_total", 'finished_reason="length"') == 32
     finally:
         stop_server(proc)

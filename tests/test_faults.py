@@ -70,7 +70,7 @@ def test_a_stopped_core_is_given_up_and_its_streams_end(make_ckpt) -> None:
             took = time.monotonic() - stopped
         assert any('"error"' in line and "has not answered" in line for line in rest), rest[-3:]
         print(f"core stopped: the stream ended with an error after {took:.1f} s")
-        assert took < 20.0
+        assert took < 30.0  # about 12 s (the 10 s give-up plus a stats call); never without the check
         # `ember serve` kills the core it gave up and exits 1, for a supervisor to restart it
         assert proc.wait(20) == 1
         assert gone([core], timeout=10)

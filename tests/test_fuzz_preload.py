@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from server_util import eventually
 from test_preload import _children, _cmd, engine, source, start_preload, stop
 from wire_fuzz import FUZZ, Tally, values
 
@@ -161,8 +162,9 @@ def test_descriptors_sent_with_requests_are_closed(preload):
                 for fd in fds:
                     os.close(fd)
     assert ping_ok(path)
-    time.sleep(0.2)
-    assert open_fds(pid) <= before + 2, f"{open_fds(pid) - before} descriptors leaked"
+    # each connection's thread closes what it was sent as it ends, on its own clock
+    fds = eventually(lambda: open_fds(pid), lambda n: n <= before + 2)
+    assert fds <= before + 2, f"{fds - before} descriptors leaked"
 
 
 def test_a_stalled_peer_does_not_hold_up_an_engine(preload):
@@ -178,7 +180,9 @@ def test_a_stalled_peer_does_not_hold_up_an_engine(preload):
             stalled.append(conn)
         start = time.monotonic()
         assert ping_ok(path)
-        assert time.monotonic() - start < 2, "a stalled peer delayed the engine's request"
+        # served on a thread of its own, the ping is answered at once; held behind the stalled peers it
+        # would wait out the daemon's 30 s read timeout (the bound leaves a loaded host room)
+        assert time.monotonic() - start < 10, "a stalled peer delayed the engine's request"
     finally:
         for conn in stalled:
             conn.close()

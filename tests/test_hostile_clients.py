@@ -20,6 +20,10 @@ from server_util import start_server, stop_server
 pytestmark = pytest.mark.reliability
 
 READ_TIMEOUT = 2.0
+# Bounds on waits leave a loaded or slow host room, yet stay far below what each failure would take: a
+# slow client that kept its socket sends its header for 16 s, a blocked server answers no one.
+SLACK = 8.0
+SERVED_WITHIN = 10.0  # a 4-token completion beside the hostile clients (a fraction of a second here)
 
 
 @pytest.fixture(scope="module")
@@ -69,17 +73,17 @@ def test_slowloris_headers_are_cut_off_while_others_are_served(server) -> None:
             closed = True
             break
         if time.monotonic() - started < READ_TIMEOUT:
-            assert complete(server) < 5.0  # others are served meanwhile
+            assert complete(server) < SERVED_WITHIN  # others are served meanwhile
         time.sleep(0.25)
     waited = time.monotonic() - started
-    assert closed or closed_by_server(slow, 3.0) is not None, "the slow client still holds its socket"
-    assert waited < READ_TIMEOUT + 3.0
+    assert closed or closed_by_server(slow, SLACK) is not None, "the slow client still holds its socket"
+    assert waited < READ_TIMEOUT + SLACK
     slow.close()
 
 
 def test_a_connection_that_sends_nothing_is_closed(server) -> None:
     silent = connect(server)
-    took = closed_by_server(silent, READ_TIMEOUT + 3.0)
+    took = closed_by_server(silent, READ_TIMEOUT + SLACK)
     assert took is not None and took >= READ_TIMEOUT - 0.5
     silent.close()
 
@@ -98,11 +102,11 @@ def test_ten_thousand_idle_connections_do_not_lock_others_out(server) -> None:
         latency = complete(server)
         health = httpx.get(f"{server}/health", timeout=10)
         print(f"{count} idle connections open: a completion took {latency * 1000:.0f} ms")
-        assert health.status_code == 200 and latency < 5.0
+        assert health.status_code == 200 and latency < SERVED_WITHIN
         time.sleep(max(0.0, READ_TIMEOUT + 1.5 - (time.monotonic() - opened)))
         sample = idle[:: max(1, count // 50)]
-        assert all(closed_by_server(s, 3.0) is not None for s in sample), "idle connections still held"
-        assert complete(server) < 5.0
+        assert all(closed_by_server(s, SLACK) is not None for s in sample), "idle connections still held"
+        assert complete(server) < SERVED_WITHIN
     finally:
         for s in idle:
             s.close()

@@ -243,7 +243,7 @@ def test_adapters_with_speculation_structured_outputs_and_a_quantized_base(
         assert [o.outputs[0].token_ids for o in adapted] != [o.outputs[0].token_ids for o in plain]
 
 
-def test_a_draft_model_speculates_without_the_adapter(tmp_path: Path) -> None:
+def test_a_draft_model_speculates_without_the_adapter(tmp_path: Path, steady_step_costs: None) -> None:
     """The bundled model and its draft: the target verifies with the adapter, the draft proposes
     without it, and the greedy tokens stay PEFT's."""
     from coreproc.host import default_draft_dir, default_model_dir

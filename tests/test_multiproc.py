@@ -140,7 +140,7 @@ def test_abort_and_disconnect_free_blocks(core, prompts):
         next(stream)
         assert client.stats().num_blocks_in_use > 0
         stream.close()  # leaving the stream aborts the request
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 30
         while client.stats().num_blocks_in_use and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.stats().num_blocks_in_use == 0
@@ -149,7 +149,7 @@ def test_abort_and_disconnect_free_blocks(core, prompts):
         stream = client.generate(prompts[3], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         next(stream)
     with EngineClient(core.address) as client:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while client.stats().num_blocks_in_use and time.monotonic() < deadline:
             time.sleep(0.05)
         assert client.stats().num_blocks_in_use == 0
@@ -226,7 +226,7 @@ def check_killed_worker(
             with pytest.raises(EngineDeadError, match="engine dead"):
                 for _ in s:
                     pass
-        assert time.monotonic() - killed_at < 5.0
+        assert time.monotonic() - killed_at < 15.0  # at once here; without the check, never
         assert proc.proc.wait(20) == 1
         assert gone(workers)
         client.close()

@@ -108,14 +108,24 @@ def test_pipeline_with_tensor_parallel_stages(make_ckpt):
 @pytest.mark.e2e
 def test_speculation_grammars_and_logits_processors_run_on_the_last_stage(llama4):
     """N-gram proposals are verified, grammars and logits processors applied where sampling happens;
-    the tokens are the single-device engine's."""
-    spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3})
+    the tokens are the single-device engine's. With adaptive proposal lengths the plans follow the
+    measured step times (a micro-batch holds half the requests, and timings vary by CPU and load), so
+    their counters are printed, not compared; with a fixed plan (every request proposes 3 tokens each
+    step) the counters depend on the tokens alone and are equal."""
     prompts = ["x x x x x x", "import os\nimport sys\nimport os\n", "for i in range(3): for i in"]
     params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
-    one, one_stats = generate(llama4, prompts, params, speculative_config=spec)
-    two, two_stats = generate(llama4, prompts, params, speculative_config=spec, pipeline_parallel_size=2)
-    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
-    assert two_stats.spec_num_accepted == one_stats.spec_num_accepted > 0
+    for adaptive in (True, False):
+        spec = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "adaptive": adaptive})
+        one, one_stats = generate(llama4, prompts, params, speculative_config=spec)
+        two, two_stats = generate(llama4, prompts, params, speculative_config=spec, pipeline_parallel_size=2)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        print(
+            f"adaptive={adaptive}: accepted {one_stats.spec_num_accepted}/{one_stats.spec_num_proposed} "
+            f"on one stage, {two_stats.spec_num_accepted}/{two_stats.spec_num_proposed} on two"
+        )
+    # the fixed plan: proposals were made and verified on the last stage, exactly as on one device
+    counters = [(s.spec_num_proposed, s.spec_num_accepted) for s in (one_stats, two_stats)]
+    assert counters[0] == counters[1] and counters[0][1] > 0, counters
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     constrained = SamplingParams(
         temperature=0.0, max_tokens=30, structured=StructuredSpec(kind="json", spec=json.dumps(schema))

@@ -350,7 +350,9 @@ def test_a_stall_ends_the_streams_and_stops_the_engine(llama):
             took = time.monotonic() - stopped
         assert any('"error"' in line and "stalled" in line for line in rest), rest[-3:]
         print(f"worker stopped: the stream ended with an error after {took:.2f} s (stall timeout 2 s)")
-        assert took < 2.0 + 1.5, "the error reaches the client within a second or so of the stall timeout"
+        # the watchdog fires at the timeout and the error follows at once (about 2.1 s here); without
+        # it the stream would hang to the client's 60 s timeout. The bound leaves a loaded host room.
+        assert took < 2.0 + 8.0, "the error reaches the client within seconds of the stall timeout"
         assert "stalled" in _wait_health(url, 503, timeout=10).json()["reason"]
         assert gone([core_pid, worker_pid], timeout=20), "the core and its stopped worker must be gone"
     finally:

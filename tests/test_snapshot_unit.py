@@ -16,11 +16,11 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import msgspec
 import pytest
+from server_util import eventually
 
 from frontend import snapshot
 from frontend.snapshot_manifest import (
@@ -201,8 +201,8 @@ def test_failed_create_leaves_nothing(tmp_path: Path, root_user: None) -> None:
     with pytest.raises(SnapshotError, match="criu dump failed"):
         snapshot.create(tmp_path / "snap", ["--max-model-len", "64"], tools, timeout=60)
     assert not (tmp_path / "snap").exists()
-    time.sleep(0.1)
-    assert not _alive(tools.dumped[0]), "the parked process was killed"
+    parked = tools.dumped[0]
+    assert not eventually(lambda: _alive(parked), lambda alive: not alive), "the parked process was killed"
 
 
 def test_create_in_image_mode_and_bad_modes(tmp_path: Path, root_user: None) -> None:

@@ -250,7 +250,7 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
 @pytest.mark.parametrize(
     "setup", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 6, "block_size": 8, "max_model_len": 48}]
 )
-def test_greedy_and_seeded_outputs_equal_no_speculation(llama, batch, setup):
+def test_greedy_and_seeded_outputs_equal_no_speculation(llama, batch, setup, steady_step_costs):
     prompts = repetitive_prompts(batch)
     runs = {}
     for spec in (None, NGRAM):
@@ -283,7 +283,7 @@ DRAFT = json.dumps(
 @pytest.mark.parametrize(
     "setup", [{}, {"max_num_batched_tokens": 16}, {"num_kv_blocks": 10, "block_size": 8, "max_model_len": 64}]
 )
-def test_draft_model_outputs_equal_no_speculation(setup):
+def test_draft_model_outputs_equal_no_speculation(setup, steady_step_costs):
     """The bundled matched pair: greedy and seeded tokens equal the target alone (chunked prefill and
     preemption included), and the draft's proposals are accepted often."""
     prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, x):"] * 2
@@ -379,7 +379,7 @@ def test_served_with_speculation(llama):
         ref = [
             o.outputs[0].text for o in plain.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
         ]
-    proc, url = start_server(llama, "--speculative-config", NGRAM)
+    proc, url = start_server(llama, "--speculative-config", NGRAM_FIXED)  # counters from tokens alone
     try:
         for prompt, expect in zip(prompts, ref):
             body = {"model": "llama", "prompt": prompt, "max_tokens": 16, "temperature": 0}
@@ -388,7 +388,7 @@ def test_served_with_speculation(llama):
                 == expect
             )
         # engine stats reach /metrics every second: a scrape may still show an earlier request's counts
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a wait, not a bound: a loaded host may take longer
         while metric(url, "ember_spec_decode_num_accepted_tokens_total") == 0:
             assert time.monotonic() < deadline, "no accepted draft tokens reached /metrics"
             time.sleep(0.2)

@@ -125,7 +125,9 @@ def test_logprobs_are_the_models_before_masking(llm: LLM) -> None:
     assert any(position[token].rank > 1 for token, position in zip(out.token_ids, out.logprobs))
 
 
-def test_speculative_decoding_keeps_the_constraint_and_the_tokens(llama: str) -> None:
+def test_speculative_decoding_keeps_the_constraint_and_the_tokens(
+    llama: str, steady_step_costs: None
+) -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
     prompts = [PROMPTS[0] + ' {"name": "a", "age": 1, "kind": "cat", "tags": [true]}' * 3, PROMPTS[2]]
     params = SamplingParams(temperature=0, max_tokens=200, structured=json_spec(PERSON))
