@@ -59,8 +59,8 @@ class Identity(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ModelFiles(msgspec.Struct, frozen=True, kw_only=True):
-    """A folder (the checkpoint; the mapped weights): each top-level file's size and mtime, and a
-    sha256 over their bytes."""
+    """A checkpoint (a folder, or one GGUF file), the mapped weights' folder, an adapter: each file's
+    size and mtime (a folder's top-level files), and a sha256 over their contents (`content_hash`)."""
 
     path: str
     files: dict[str, tuple[int, int]]  # name -> (size, mtime_ns)
@@ -157,36 +157,43 @@ def differences(recorded: Identity, current: Identity) -> list[str]:
     return out
 
 
-def _model_stats(model_dir: Path) -> dict[str, tuple[int, int]]:
-    stats = {}
-    for p in sorted(model_dir.iterdir()):
-        if p.is_file():
-            st = p.stat()
-            stats[p.name] = (st.st_size, st.st_mtime_ns)
-    return stats
+def _members(path: Path) -> list[Path]:
+    """The files a model path stands for: a file itself, a folder's top-level files."""
+    return [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
 
 
-def _content_hash(model_dir: Path, names: list[str]) -> str:
+def _model_stats(path: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in _members(path)}
+
+
+def _content_hash(path: Path) -> str:
+    """sha256 over the files' names and contents; a weights file (safetensors shard, GGUF file) counts
+    by the identity the preload fingerprint gives it (header and samples: no read of the weights)."""
+    from workers.weight_cache.fingerprint import weights_identity
+
     h = hashlib.sha256()
-    for name in sorted(names):
-        h.update(name.encode() + b"\0")
-        with open(model_dir / name, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
+    for p in _members(path):
+        h.update(p.name.encode() + b"\0")
+        if not weights_identity(p, h):
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 22):
+                    h.update(chunk)
     return h.hexdigest()
 
 
-def model_files(model_dir: str) -> ModelFiles:
-    path = Path(model_dir).resolve()
-    stats = _model_stats(path)
-    return ModelFiles(path=str(path), files=stats, content_hash=_content_hash(path, list(stats)))
+def model_files(model: str) -> ModelFiles:
+    """What a snapshot records of a model path: a folder or one file (a GGUF checkpoint)."""
+    path = Path(model).resolve()
+    if not path.exists():
+        raise SnapshotError(f"model not found: {path}")
+    return ModelFiles(path=str(path), files=_model_stats(path), content_hash=_content_hash(path))
 
 
 def folder_changes(recorded: ModelFiles, what: str = "model") -> list[str]:
-    """Why the folder on disk is not the one the image was made with (empty when it is). Files whose
-    size and mtime are unchanged are trusted; otherwise the whole folder is hashed again."""
+    """Why the model path on disk is not the one the image was made with (empty when it is). Files
+    whose size and mtime are unchanged are trusted; otherwise the whole path is hashed again."""
     path = Path(recorded.path)
-    if not path.is_dir():
+    if not path.exists():
         return [f"{what}: {path} is gone"]
     stats = _model_stats(path)
     if stats == recorded.files:
@@ -194,7 +201,7 @@ def folder_changes(recorded: ModelFiles, what: str = "model") -> list[str]:
     if sorted(stats) != sorted(recorded.files):
         added, gone = sorted(set(stats) - set(recorded.files)), sorted(set(recorded.files) - set(stats))
         return [f"{what}: files added {added} / removed {gone} in {path}"]
-    if _content_hash(path, list(stats)) != recorded.content_hash:
+    if _content_hash(path) != recorded.content_hash:
         changed = [n for n in stats if stats[n] != tuple(recorded.files[n])]
         return [f"{what}: the content of {path} changed ({', '.join(changed)})"]
     return []

@@ -309,3 +309,42 @@ def test_snapshot_of_a_server_fed_by_the_preload_daemon(model: Path, tmp_path: P
     done = ember("snapshot", "restore", str(root), "--port", "0")  # the daemon is gone: no matter
     assert done.returncode == 0, done.stderr
     os.kill(int(re.search(r"\(pid (\d+)\)", done.stdout).group(1)), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("given", ["file", "folder"])
+def test_a_gguf_checkpoint_snapshots_and_restores(model: Path, tmp_path: Path, given: str) -> None:
+    """A GGUF file, named itself or as the one file of a folder: created (the manifest records the
+    file, hashed as the preload fingerprint hashes it), inspected, restored with its canary checked,
+    and the restored server generates what the engine does on the file's own Q8_0 bits (bf16)."""
+    from coreproc import LLM, SamplingParams
+    from tools.hf_to_gguf import write_gguf
+
+    folder = tmp_path / "gguf"
+    folder.mkdir()
+    gguf = write_gguf(model, folder / "tiny-q8_0.gguf", "Q8_0")
+    target = str(gguf if given == "file" else folder)
+    serve = [target, "--dtype", "bfloat16", "--max-model-len", "256"]
+    root = tmp_path / "snap"
+    done = ember("snapshot", "create", str(root), "--", *serve)
+    assert done.returncode == 0, done.stderr
+    done = ember("snapshot", "inspect", str(root))
+    assert done.returncode == 0, done.stderr
+    recorded = json.loads(done.stdout)["model"]
+    assert recorded["path"] == str(gguf.resolve()) and list(recorded["files"]) == [gguf.name]
+    done = ember("snapshot", "restore", str(root), "--port", "0")
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"listening on (http://\S+) \(pid (\d+)\); canary token \d+ .* matches", done.stdout)
+    assert found, done.stdout
+    try:
+        with LLM(target, dtype="bfloat16", max_model_len=256, show_progress=False) as llm:
+            params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+            expected = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert greedy_ids(found.group(1)) == expected
+    finally:
+        os.kill(int(found.group(2)), signal.SIGKILL)
+    from coreproc.gguf_file import open_gguf
+
+    start = open_gguf(gguf).data_start  # other weights where the identity samples them, same size
+    _overwrite(gguf, start, bytes(64))
+    done = ember("snapshot", "restore", str(root), "--port", "0")
+    assert done.returncode == 2 and f"model: the content of {gguf.resolve()} changed" in done.stderr

@@ -31,26 +31,38 @@ SAMPLE_BYTES = 4096
 def checkpoint_hash(model_dir: str) -> str:
     """sha256 over sorted shard basenames, each shard's header (length prefix + JSON), and a few
     evenly spaced 4 KiB samples of its data: headers alone cannot tell two trainings of the same
-    architecture apart, while 64 KiB per shard is no real read of the weights."""
+    architecture apart, while 64 KiB per shard is no real read of the weights. A GGUF file: the same
+    over its header (metadata, tensor table) and samples."""
     h = hashlib.sha256()
-    if is_gguf(model_dir):  # the same over a GGUF file: its header (metadata, tensor table), samples
-        gguf = open_gguf(model_dir)
-        h.update(Path(model_dir).name.encode() + b"\0" + gguf.header)
+    shards = [Path(model_dir)] if is_gguf(model_dir) else Path(model_dir).glob("*.safetensors")
+    for path in sorted(shards, key=lambda p: p.name):
+        weights_identity(path, h)
+    return h.hexdigest()
+
+
+def weights_identity(path: Path, h: hashlib._Hash) -> bool:
+    """Feed `h` one weights file's identity (its name, header and samples) if it is a safetensors
+    shard or a GGUF file; False (nothing fed) for any other file. Also what `ember snapshot` records
+    of a checkpoint's weights."""
+    if is_gguf(path):
+        gguf = open_gguf(path)
+        h.update(path.name.encode() + b"\0" + gguf.header)
         step = max(1, (gguf.size - gguf.data_start) // SAMPLES_PER_SHARD)
         for offset in range(gguf.data_start, gguf.size, step):
             h.update(gguf.sample(offset, SAMPLE_BYTES))
-        return h.hexdigest()
-    for path in sorted(Path(model_dir).glob("*.safetensors"), key=lambda p: p.name):
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            (length,) = struct.unpack("<Q", prefix)
-            h.update(path.name.encode() + b"\0" + prefix + f.read(length))
-            data_start, size = 8 + length, os.fstat(f.fileno()).st_size
-            step = max(1, (size - data_start) // SAMPLES_PER_SHARD)
-            for offset in range(data_start, size, step):
-                f.seek(offset)
-                h.update(f.read(SAMPLE_BYTES))
-    return h.hexdigest()
+        return True
+    if path.suffix != ".safetensors":
+        return False
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        (length,) = struct.unpack("<Q", prefix)
+        h.update(path.name.encode() + b"\0" + prefix + f.read(length))
+        data_start, size = 8 + length, os.fstat(f.fileno()).st_size
+        step = max(1, (size - data_start) // SAMPLES_PER_SHARD)
+        for offset in range(data_start, size, step):
+            f.seek(offset)
+            h.update(f.read(SAMPLE_BYTES))
+    return True
 
 
 def config_hash(model_dir: str) -> str:
