@@ -118,7 +118,7 @@ def _literal_settings(cls: type) -> list[tuple[Setting, tuple[Any, ...]]]:
 def check_choices(config: Any) -> None:
     """Each `Literal` option of a config dataclass holds one of its values: what the CLI's choices
     check, checked for `create()` and `LLM(...)` too (ConfigError naming the keyword)."""
-    for s, allowed in _literal_settings(type(config)):
+    for s, allowed in _literal_settings(config.__class__):
         value = getattr(config, s.field)
         if value not in allowed:
             named = ", ".join(str(a) for a in allowed if a is not None)
