@@ -53,7 +53,7 @@ from coreproc.protocol import (
     UtilityResult,
 )
 from coreproc.ray_executor import RayExecutor
-from coreproc.startup import boot
+from coreproc.startup import boot, trace
 from coreproc.startup.orphan import LauncherWatch
 
 log = logging.getLogger("ember.core")
@@ -388,6 +388,7 @@ def run_core_process(
 
     dp = config.parallel
     setproctitle("ember-core" if dp.data_parallel_size == 1 else f"ember-core-dp{dp.data_parallel_rank}")
+    trace.started()
     watch = None
     if parent_pid is not None:  # a launcher gone mid-load cannot remove its runtime directory
         watch = LauncherWatch(parent_pid, "ember-core", lambda: remove_runtime_dir(runtime_dir))
@@ -399,7 +400,7 @@ def run_core_process(
         report.connect(ready_endpoint)
     codec = Codec(())
     try:
-        with boot.paused():  # already off when started through coreproc.startup.boot
+        with boot.paused(), trace.phase("build the engine"):  # collector already off when booted
             server = CoreServer(
                 config, listen, runtime_dir, curve_keys, shutdown_timeout, parent_pid, client_timeout
             )

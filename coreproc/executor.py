@@ -38,6 +38,7 @@ from coreproc.protocol import (
     WorkerFailed,
     WorkerReady,
 )
+from coreproc.startup import trace
 from coreproc.startup.spawn import spawn_worker
 
 log = logging.getLogger("ember.executor")
@@ -127,12 +128,14 @@ class MultiprocExecutor:
                 log.info(
                     "waiting for %d ranks of other nodes on %s", len(self.link.remote), self.link.endpoint
                 )
-            for rank in par.node_ranks(0):
-                self._local[self.identities[rank]] = rank
-                argv = ["--rank", str(rank), "--endpoint", endpoint, "--runtime-dir", str(runtime_dir)]
-                argv += ["--parent-pid", str(os.getpid())]
-                self.procs.append(spawn_worker(config, argv, config_json))
-            self.ready = self._wait_ready(ready_timeout)
+            with trace.phase("start workers"):
+                for rank in par.node_ranks(0):
+                    self._local[self.identities[rank]] = rank
+                    argv = ["--rank", str(rank), "--endpoint", endpoint, "--runtime-dir", str(runtime_dir)]
+                    argv += ["--parent-pid", str(os.getpid())]
+                    self.procs.append(spawn_worker(config, argv, config_json))
+            with trace.phase("wait for the workers' ready"):
+                self.ready = self._wait_ready(ready_timeout)
         except BaseException:
             self.shutdown()
             raise

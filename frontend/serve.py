@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from coreproc.errors import EmberError
 from coreproc.model_config import MODEL_HELP
+from coreproc.startup import trace
 from frontend.api_servers import (
     CHILD_FLAG,
     exit_with_parent,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from coreproc.config import EngineConfig
 
 HANDOFF_POLL_S = 0.002
+FRONTEND = "ember serve"  # the frontend's name in a start-up trace (its process title is Python's)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,17 +99,20 @@ def describe_engine(addresses: list[str]) -> str:
 def prepare_http(tokenizer_dir: str) -> tuple[Any, Any, Any]:
     """The HTTP stack's imports and the tokenizer (uvicorn, build_app, tokenizer): done while the
     engine starts, they are off the time to ready."""
-    import uvicorn
+    with trace.phase("HTTP stack imports", FRONTEND):
+        import uvicorn
 
-    from coreproc.text.tokenizer import load_tokenizer
-    from frontend.api_server import build_app
+        from frontend.api_server import build_app
+    with trace.phase("tokenizer", FRONTEND):
+        from coreproc.text.tokenizer import load_tokenizer
 
-    return uvicorn, build_app, load_tokenizer(tokenizer_dir)
+        return uvicorn, build_app, load_tokenizer(tokenizer_dir)
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     from coreproc.startup.launcher import CoreGroup
 
+    trace.started(process=FRONTEND)
     if args.snapshot_park:
         return run_parked(args, config, Path(args.snapshot_park))
     if args.api_server_child:
@@ -122,12 +127,15 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         host, port = sock.getsockname()[:2]
         with ThreadPoolExecutor(1) as pool:
             prepared = pool.submit(prepare_http, config.model.tokenizer)
-            with CoreGroup(config, shutdown_timeout=args.shutdown_timeout) as cores:
+            with trace.phase("start the engine cores", FRONTEND):
+                group = CoreGroup(config, shutdown_timeout=args.shutdown_timeout)
+            with group as cores:
                 uvicorn, build_app, tokenizer = prepared.result()
                 print(describe_engine(cores.addresses), flush=True)
                 children = start_children(args.argv, count, port, cores.addresses) if count > 1 else []
                 try:
-                    app = build_app(cores.addresses, config.model.model, cfg, tokenizer)
+                    with trace.phase("build the app", FRONTEND):
+                        app = build_app(cores.addresses, config.model.model, cfg, tokenizer)
                     servers = f" ({count} API server processes)" if count > 1 else ""
                     warning = exposure_warning(host, bool(cfg.api_key))
                     if warning:

@@ -30,6 +30,7 @@ from pathlib import Path
 import msgspec
 
 from coreproc.errors import EmberError
+from coreproc.startup import trace
 from frontend.canary import CANARY_PROMPT, canary_request, canary_result
 from frontend.snapshot_manifest import (
     Canary,
@@ -56,6 +57,7 @@ from frontend.snapshot_tools import (
 
 LOGPROB_TOLERANCE = 1e-3
 WEIGHT_MODES = ("mapped", "image")
+RESTORE = "ember snapshot restore"  # the controller's name in a start-up trace
 MAX_SOCKET_DIR = 70  # an IPC path (dir + /ember-XXXXXXXX/launcher) must stay under 108 bytes
 
 
@@ -257,6 +259,38 @@ def restore(
     timeout: float = 120.0,
 ) -> Restored:
     started = time.perf_counter()
+    trace.started(process=RESTORE)
+    with trace.phase("check the manifest, host and model", RESTORE):
+        layout, manifest, host, port = _checked(snapshot_dir, tools, host, port)
+    with _restore_lock(layout, timeout):
+        os.makedirs(manifest.runtime_dir, mode=0o700, exist_ok=True)
+        write_json_atomic(layout.state / "handoff.json", {"host": host, "port": port})
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        log, pidfile = f"restore-{stamp}.log", layout.work / f"restore-{stamp}.pid"
+        with trace.phase("criu restore", RESTORE):
+            pid = tools.restore(layout.images, layout.work, log, pidfile)
+        try:
+            url_host = f"[{host}]" if ":" in host else host
+            with trace.phase("wait for /health and the canary token", RESTORE):
+                got = _wait_and_ask(url_host, port, pid, manifest.canary.prompt, started + timeout)
+            _compare(manifest.canary, got)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise
+        finally:
+            (layout.state / "handoff.json").unlink(missing_ok=True)
+        pidfile.unlink(missing_ok=True)  # CRIU's log stays only when the restore failed
+        (layout.work / log).unlink(missing_ok=True)
+    return Restored(pid, f"http://{url_host}:{port}", time.perf_counter() - started, got)
+
+
+def _checked(
+    snapshot_dir: Path, tools: SnapshotTools, host: str | None, port: int | None
+) -> tuple[Layout, Manifest, str, int]:
+    """The snapshot's layout and manifest, the address to restore at; SnapshotError naming every
+    reason the snapshot cannot be restored here (incomplete, moved, another host, a changed model,
+    a taken port)."""
     layout = Layout(snapshot_dir.resolve())
     manifest = read_manifest(layout.root)
     if not manifest.complete or manifest.canary is None:
@@ -275,26 +309,7 @@ def restore(
     if problems:
         raise SnapshotError("the snapshot does not match this host: " + "; ".join(problems))
     host = host or manifest.host
-    port = check_port_free(host, manifest.port if port is None else port)
-    with _restore_lock(layout, timeout):
-        os.makedirs(manifest.runtime_dir, mode=0o700, exist_ok=True)
-        write_json_atomic(layout.state / "handoff.json", {"host": host, "port": port})
-        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        log, pidfile = f"restore-{stamp}.log", layout.work / f"restore-{stamp}.pid"
-        pid = tools.restore(layout.images, layout.work, log, pidfile)
-        try:
-            url_host = f"[{host}]" if ":" in host else host
-            got = _wait_and_ask(url_host, port, pid, manifest.canary.prompt, started + timeout)
-            _compare(manifest.canary, got)
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            raise
-        finally:
-            (layout.state / "handoff.json").unlink(missing_ok=True)
-        pidfile.unlink(missing_ok=True)  # CRIU's log stays only when the restore failed
-        (layout.work / log).unlink(missing_ok=True)
-    return Restored(pid, f"http://{url_host}:{port}", time.perf_counter() - started, got)
+    return layout, manifest, host, check_port_free(host, manifest.port if port is None else port)
 
 
 def _alive(pid: int) -> bool:

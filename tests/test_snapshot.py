@@ -272,11 +272,17 @@ def test_create_refusals_and_failed_create(tmp_path: Path, model: Path) -> None:
     assert not (tmp_path / "b").exists()
 
 
-def test_bench_restart_adds_a_snapshot_row(model: Path) -> None:
-    done = ember(
-        "bench", "restart", str(model), "--dtype", "float32", "--max-model-len", "256", "--mode", "snapshot"
-    )
+def test_bench_restart_adds_a_snapshot_row(model: Path, tmp_path: Path) -> None:
+    plot = tmp_path / "timeline.png"
+    flags = ["--dtype", "float32", "--max-model-len", "256", "--mode", "snapshot"]
+    done = ember("bench", "restart", str(model), *flags, "--trace", "--trace-plot", str(plot))
     assert done.returncode == 0, done.stderr
+    # the breakdown: each kind of start, its processes' phases against the launch, drawn too
+    for kind in ("cold", "warm", "snapshot"):
+        assert re.search(rf"^breakdown of the {kind} start: [\d.]+ s from launch", done.stdout, re.M)
+    for row in ("ember-worker-0 +load weights", "ember-core +build the engine", "criu restore"):
+        assert re.search(row, done.stdout), row
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {
         ln.split()[0]: ln.split()
         for ln in done.stdout.splitlines()

@@ -22,6 +22,7 @@ import torch
 from coreproc.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from coreproc.logits_processors import LogitsProcessor, ProcessorContext, engine_specs, load_processors
 from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
+from coreproc.startup import trace
 from kernels import select_backend
 from kernels.cpu_gemm import bf16_layout, claim_tiles, select_linear_kernel
 from kernels.native import use_native
@@ -140,9 +141,11 @@ class Worker:
 
     def load(self, show_progress: bool = True) -> WorkerReady:
         """Start-up in named phases; returns what the core needs to know about this rank."""
-        weights = self.load_weights(show_progress)
+        with trace.phase("load weights"):
+            weights = self.load_weights(show_progress)
         draft = self.load_draft(show_progress)
-        forward = self.pick_kernels(weights.model)
+        with trace.phase("pick kernels"):
+            forward = self.pick_kernels(weights.model)
         lora = None
         if self.config.lora.enable_lora:
             from workers.lora import LoRAManager  # (imports triton: only where adapters are served)
@@ -152,14 +155,17 @@ class Worker:
         memory = self.measure_memory(weights.model, draft)
         num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device)
         start = time.perf_counter()
-        kv_caches = self.allocate_kv_cache(weights.model, len(weights.model.held), num_blocks)
-        self.calibrate(weights.model, kv_caches)
+        with trace.phase("allocate the KV cache"):
+            kv_caches = self.allocate_kv_cache(weights.model, len(weights.model.held), num_blocks)
+            self.calibrate(weights.model, kv_caches)
         self._log_start_up(weights, memory, num_blocks, time.perf_counter() - start)
-        processors = self.build_processors()
+        with trace.phase("logits processors"):
+            processors = self.build_processors()
         proposer = None if draft is None else self.build_proposer(draft, num_blocks, draft_forward)
         block_size, seed = self.config.cache.block_size, self.config.model.seed
         model = self.config.model
-        structured = StructuredOutputs(model.model, model.vocab_size, list(model.eos_token_ids))
+        with trace.phase("structured outputs"):
+            structured = StructuredOutputs(model.model, model.vocab_size, list(model.eos_token_ids))
         images = (
             EncoderCache(self.config.cache.encoder_cache_bytes)
             if hasattr(weights.model, "embed_images")
@@ -240,18 +246,19 @@ class Worker:
         if spec is None or spec.draft is None:
             return None
         d = spec.draft
-        draft, seconds, _ = build_model(
-            d.model,
-            d.architecture,
-            self.dtype,
-            self.device,
-            TPGroup(),
-            self.backend,
-            d.max_model_len,
-            None,
-            show_progress,
-            self.linear_kernel,
-        )
+        with trace.phase("load the draft model"):
+            draft, seconds, _ = build_model(
+                d.model,
+                d.architecture,
+                self.dtype,
+                self.device,
+                TPGroup(),
+                self.backend,
+                d.max_model_len,
+                None,
+                show_progress,
+                self.linear_kernel,
+            )
         log.info("rank %d: draft model %s loaded in %.2fs", self.rank, d.model, seconds)
         return draft
 

@@ -33,7 +33,7 @@ from coreproc.config import EngineConfig
 from coreproc.errors import EmberError
 from coreproc.ipc import Codec
 from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
-from coreproc.startup import boot
+from coreproc.startup import boot, trace
 from coreproc.startup.orphan import LauncherWatch
 from workers.head_link import connect_head, interface_towards, is_remote
 from workers.parallel import PPGroup, TPGroup
@@ -119,6 +119,7 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
         if dp.data_parallel_size == 1
         else f"ember-worker-dp{dp.data_parallel_rank}-{rank}"
     )
+    trace.started()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when workers stop
     logging.basicConfig(
         level=os.environ.get("EMBER_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
@@ -141,14 +142,16 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     poller.register(core, zmq.POLLIN)
     code = 0
     try:
-        from workers.worker import Worker
+        with trace.phase("import torch and the model code"):
+            from workers.worker import Worker
 
-        if config.device.resolved_type == "cpu":
-            import torch
+            if config.device.resolved_type == "cpu":
+                import torch
 
-            # ranks share the host's cores; oversubscribed OpenMP threads spin and stall each other
-            torch.set_num_threads(worker_threads(config))
-        tp, pp = init_distributed(config, rank, rendezvous(config, Path(runtime_dir)))
+                # ranks share the host's cores; oversubscribed OpenMP threads spin and stall each other
+                torch.set_num_threads(worker_threads(config))
+        with trace.phase("join the process group"):
+            tp, pp = init_distributed(config, rank, rendezvous(config, Path(runtime_dir)))
         cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
         worker = Worker(cfg, tp, pp)
         sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))

@@ -24,6 +24,8 @@ from pathlib import Path
 from coreproc.config import EngineConfig
 from coreproc.gguf_file import is_gguf
 from coreproc.model_config import MODEL_HELP
+from frontend.bench import restart_trace
+from frontend.bench.restart_trace import StartTrace
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +37,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="preload",
         help="preload: cold and warm; snapshot: adds a row for `ember snapshot restore`",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="print where each start's seconds go: every process's phases against the launch",
+    )
+    p.add_argument(
+        "--trace-plot", metavar="PNG", default=None, help="draw the --trace breakdown as a timeline"
+    )
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -45,13 +55,18 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
-def time_to_ready(cmd: list[str], timeout: float = 900.0) -> tuple[float, float, str]:
+def time_to_ready(
+    cmd: list[str], timeout: float = 900.0, traced: StartTrace | None = None
+) -> tuple[float, float, str]:
     """Seconds from launch to /health 200 plus one generated token, and to /health 200 alone;
-    returns (ready seconds, healthy seconds, start-up lines)."""
+    returns (ready seconds, healthy seconds, start-up lines). `traced`: the processes write their
+    phases to its file, and the client's marks are added."""
     import httpx
 
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    launch = time.time()
+    env = traced.env() if traced is not None else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
     try:
         url = None
@@ -77,7 +92,12 @@ def time_to_ready(cmd: list[str], timeout: float = 900.0) -> tuple[float, float,
             body = {"prompt": "def", "max_tokens": 1, "temperature": 0}
             reply = http.post(f"{url}/v1/completions", json=body)
             reply.raise_for_status()
-        return time.perf_counter() - start, healthy, "\n".join(lines)
+        ready = time.perf_counter() - start
+        if traced is not None:
+            traced.launch = launch
+            traced.mark("launch: /health answers 200", launch, launch + healthy)
+            traced.mark("first token", launch + healthy, launch + ready)
+        return ready, healthy, "\n".join(lines)
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -86,8 +106,30 @@ def time_to_ready(cmd: list[str], timeout: float = 900.0) -> tuple[float, float,
             proc.kill()
 
 
-def snapshot_restore_time(config: EngineConfig, runs: int) -> tuple[float, str]:
-    """Best seconds of `ember snapshot restore` (launch to return) and a note on the snapshot."""
+Best = tuple[float, float, str, StartTrace | None]  # ready s, healthy s, start-up lines, its trace
+
+
+def best_start(cmd: list[str], runs: int, tracing: bool) -> Best:
+    """The fastest of `runs` starts of `cmd` (`time_to_ready`), with its trace when `tracing`."""
+    best: Best | None = None
+    for _ in range(runs):
+        traced = StartTrace() if tracing else None
+        ready, healthy, lines = time_to_ready(cmd, traced=traced)
+        if best is None or ready < best[0]:
+            if best is not None and best[3] is not None:
+                best[3].remove()
+            best = (ready, healthy, lines, traced)
+        elif traced is not None:
+            traced.remove()
+    assert best is not None, "at least one run"
+    return best
+
+
+def snapshot_restore_time(
+    config: EngineConfig, runs: int, tracing: bool = False
+) -> tuple[float, str, StartTrace | None]:
+    """Best seconds of `ember snapshot restore` (launch to return), a note on the snapshot, and the
+    best restore's trace when `tracing`."""
     ember = [sys.executable, "-m", "frontend.cli"]
     with tempfile.TemporaryDirectory(prefix="ember-bench-snap-") as tmp:
         root = Path(tmp) / "snap"
@@ -98,24 +140,35 @@ def snapshot_restore_time(config: EngineConfig, runs: int) -> tuple[float, str]:
         )
         if made.returncode != 0:
             raise RuntimeError(made.stderr.strip() or made.stdout.strip())
-        best = float("inf")
+        best, best_trace = float("inf"), None
         for _ in range(runs):
-            start = time.perf_counter()
+            traced = StartTrace() if tracing else None
+            start, launch = time.perf_counter(), time.time()
             done = subprocess.run(
-                [*ember, "snapshot", "restore", str(root), "--port", "0"], capture_output=True, text=True
+                [*ember, "snapshot", "restore", str(root), "--port", "0"],
+                capture_output=True,
+                text=True,
+                env=traced.env() if traced is not None else None,
             )
             seconds = time.perf_counter() - start
             if done.returncode != 0:
                 raise RuntimeError(done.stderr.strip())
             os.kill(int(re.search(r"\(pid (\d+)\)", done.stdout).group(1)), signal.SIGKILL)
-            best = min(best, seconds)
+            if traced is not None:
+                traced.launch = launch
+                traced.mark("launch: restored, canary token back", launch, launch + seconds)
+            if seconds < best:
+                best, (best_trace, traced) = seconds, (traced, best_trace)
+            if traced is not None:
+                traced.remove()
         note = re.search(r"\((\w+ mode)[^)]*\), image (\d+ MiB)", made.stdout)
-        return best, f"{note.group(1)}, image {note.group(2)}" if note else ""
+        return best, f"{note.group(1)}, image {note.group(2)}" if note else "", best_trace
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
     serve = [sys.executable, "-m", "frontend.cli", "serve", *engine_flags(config), "--port", "0"]
-    cold, cold_healthy, _ = min(time_to_ready(serve) for _ in range(args.runs))
+    tracing = args.trace or args.trace_plot is not None
+    cold, cold_healthy, _, cold_trace = best_start(serve, args.runs, tracing)
     with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:
         sockets = Path(tmp) / "sockets"
         sockets.mkdir(mode=0o700)
@@ -130,7 +183,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             else:
                 raise RuntimeError("ember preload failed to start")
             warm_cmd = [*serve, "--load-format", "ipc_cache", "--socket-dir", str(sockets)]
-            warm, warm_healthy, lines = min(time_to_ready(warm_cmd) for _ in range(args.runs))
+            warm, warm_healthy, lines, warm_trace = best_start(warm_cmd, args.runs, tracing)
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
@@ -146,13 +199,23 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"{'cold':<8}{cold:>20.2f}{cold_healthy:>22.2f}{cold - cold_healthy:>17.2f}")
     print(f"{'warm':<8}{warm:>20.2f}{warm_healthy:>22.2f}{warm - warm_healthy:>17.2f}")
     summary = f"summary: warm restart is {cold / warm:.1f}x faster than cold ({cold:.2f}s -> {warm:.2f}s)"
+    starts = {"cold": cold_trace, "warm": warm_trace}
     if args.mode == "snapshot":
         try:
-            snap, note = snapshot_restore_time(config, args.runs)
+            snap, note, starts["snapshot"] = snapshot_restore_time(config, args.runs, tracing)
         except RuntimeError as e:
             print(f"{'snapshot':<8}{'not measured: ' + str(e).splitlines()[-1]:>20}")
         else:
             print(f"{'snapshot':<8}{snap:>20.2f}{'-':>22}{'-':>17}   ({note})")
             summary += f"; snapshot restore {cold / snap:.1f}x faster ({snap:.2f}s)"
     print(summary)
+    traced = {kind: t for kind, t in starts.items() if t is not None}
+    if args.trace:
+        for kind, t in traced.items():
+            print("\n" + restart_trace.table(kind, t))
+    if args.trace_plot is not None:
+        restart_trace.plot(traced, args.trace_plot)
+        print(f"timeline: {args.trace_plot}")
+    for t in traced.values():
+        t.remove()
     return 0
