@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import mmap
 import struct
 from collections.abc import Iterator, Sequence
@@ -23,10 +24,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, overload
 
-import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
 from coreproc.errors import ConfigError
+
+# numpy and the gguf package are imported where a GGUF file is read: every process imports this module
+# (through coreproc.config), and the two cost ~0.15 s of each start that serves a Hugging Face folder
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -72,6 +73,8 @@ class TensorInfo:
 
 
 def type_name(qtype: int) -> str:
+    from gguf.constants import GGMLQuantizationType
+
     try:
         return GGMLQuantizationType(qtype).name
     except ValueError:
@@ -175,6 +178,8 @@ class _Cursor:
         if etype == STRING:
             return self.strings(count)
         if etype in SCALARS:  # numbers in one read
+            import numpy as np
+
             dtype = np.dtype("<" + SCALARS[etype]) if etype != 7 else np.dtype(np.bool_)
             values = np.frombuffer(self.buf, dtype, count, self.pos)
             self.pos += values.nbytes
@@ -237,8 +242,10 @@ class GGUFFile:
         align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         self.data_start = -(-cur.pos // align) * align
         self.tensors: dict[str, TensorInfo] = {}
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
         for name, dims, qtype, offset in table:
-            elements = int(np.prod(dims)) if dims else 1
+            elements = math.prod(dims)
             known = qtype in GGMLQuantizationType._value2member_map_  # others fail when loaded, by name
             block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] if known else (1, 0)
             info = TensorInfo(
