@@ -173,7 +173,8 @@ def test_crashed_client_requests_are_aborted(llama, prompts):
             assert watcher.stats().num_running == 1
             child.kill()
             child.wait()
-            deadline = time.monotonic() + 15
+            # the core drops a silent client's requests after the 1.5 s client timeout: a wait, not a bound
+            deadline = time.monotonic() + 40
             while watcher.stats().num_blocks_in_use and time.monotonic() < deadline:
                 time.sleep(0.1)
             stats = watcher.stats()
