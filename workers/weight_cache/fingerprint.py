@@ -42,8 +42,9 @@ def checkpoint_hash(model_dir: str) -> str:
 
 def weights_identity(path: Path, h: hashlib._Hash) -> bool:
     """Feed `h` one weights file's identity (its name, header and samples) if it is a safetensors
-    shard or a GGUF file; False (nothing fed) for any other file. Also what `ember snapshot` records
-    of a checkpoint's weights."""
+    shard or a GGUF file; False (nothing fed) for any other file, and for one whose header does not
+    fit in it (not what its name says: the caller hashes it whole). Also what `ember snapshot`
+    records of a checkpoint's weights."""
     if is_gguf(path):
         gguf = open_gguf(path)
         h.update(path.name.encode() + b"\0" + gguf.header)
@@ -54,10 +55,12 @@ def weights_identity(path: Path, h: hashlib._Hash) -> bool:
     if path.suffix != ".safetensors":
         return False
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        (length,) = struct.unpack("<Q", prefix)
+        prefix, size = f.read(8), os.fstat(f.fileno()).st_size
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else size
+        if 8 + length > size:
+            return False
         h.update(path.name.encode() + b"\0" + prefix + f.read(length))
-        data_start, size = 8 + length, os.fstat(f.fileno()).st_size
+        data_start = 8 + length
         step = max(1, (size - data_start) // SAMPLES_PER_SHARD)
         for offset in range(data_start, size, step):
             f.seek(offset)
