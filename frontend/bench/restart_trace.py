@@ -59,12 +59,11 @@ def table(kind: str, start: StartTrace) -> str:
     return "\n".join(out)
 
 
-def _depth(r: dict[str, Any], lines: list[dict[str, Any]]) -> int:
-    """How many other phases of the same process hold `r` inside them."""
-    return sum(
-        o is not r and o["process"] == r["process"] and o["start"] <= r["start"] and r["end"] <= o["end"]
-        for o in lines
-    )
+def _depth(i: int, lines: list[dict[str, Any]]) -> int:
+    """How many phases of the same process, listed before phase `i` (by start), were still under way
+    when it began: phases nest, and a thread's run beside the main one's."""
+    r = lines[i]
+    return sum(o["process"] == r["process"] and r["start"] < o["end"] for o in lines[:i])
 
 
 def plot(starts: dict[str, StartTrace], path: str) -> None:
@@ -78,8 +77,8 @@ def plot(starts: dict[str, StartTrace], path: str) -> None:
     for ax, (kind, start) in zip(axes[:, 0], starts.items()):
         lines = start.lines()
         lanes = list(dict.fromkeys(r["process"] for r in lines))
-        for r in lines:
-            depth = _depth(r, lines)  # a phase inside another of its process: a thinner bar on top
+        for i, r in enumerate(lines):
+            depth = _depth(i, lines)  # begun while another of its process ran: a thinner bar on top
             y = lanes.index(r["process"]) + 0.18 * depth
             begin, width = r["start"] - start.launch, max(r["end"] - r["start"], 0.002)
             ax.barh(y, width, left=begin, height=0.6 / (1 + depth), edgecolor="black", linewidth=0.4)
