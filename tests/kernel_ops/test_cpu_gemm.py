@@ -125,7 +125,8 @@ def test_huge_pages_are_opt_in(native_ops) -> None:
     assert small.shape == (3, 5) and small.dtype == torch.float32
     plain = torch.ops.ember.weight_empty([4 << 20], torch.uint8)
     assert plain.shape == (4 << 20,)
-    env = {**os.environ, "EMBER_HUGE_PAGES": "1"}
+    # the native ops themselves, also in a suite run with EMBER_CPU_KERNELS=torch
+    env = {**os.environ, "EMBER_HUGE_PAGES": "1", "EMBER_CPU_KERNELS": "native"}
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run(
         [sys.executable, "-c", HUGE_PAGES_CHECK], env=env, cwd=root, capture_output=True, text=True
@@ -341,8 +342,12 @@ def test_gemm_is_batch_invariant(native_ops, fmt: str) -> None:
         assert torch.equal(run(rows), full[rows]), rows
 
 
-def test_bench_gemm_prints_its_rows(native_ops, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_gemm_prints_its_rows(
+    native_ops, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tools.bench_gemm import main
+
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "native")  # it measures the native ops, whatever the suite runs
 
     threads = torch.get_num_threads()
     try:
