@@ -101,3 +101,18 @@ def steady_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(StepCost, "record", steady)
     monkeypatch.setattr(StepCost, "record_draft", steady_draft)
+
+
+@pytest.fixture(scope="module")
+def native_kernels():
+    """For a module about the native CPU ops: skipped where they cannot be built, and run on them even
+    in a suite run with EMBER_CPU_KERNELS=torch (the fallback another CPU takes), which the module's
+    own references may still ask for test by test; the variable is restored afterwards."""
+    from kernels.native import load_native
+
+    reason = load_native()
+    if reason is not None:
+        pytest.skip(f"native CPU ops unavailable: {reason}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EMBER_CPU_KERNELS", "native")
+        yield

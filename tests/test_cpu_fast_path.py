@@ -17,7 +17,6 @@ from hf_ref import PROMPT_TEXTS, Greedy, check_greedy_close, greedy_runs, hf_gre
 
 from coreproc import LLM, SamplingParams
 from coreproc.host import default_model_dir
-from kernels.native import load_native
 from workers.models import fused_decode
 from workers.models.ops import NativeCpuOps
 
@@ -28,10 +27,8 @@ BF16_LOGPROB_TOL = 0.1  # bf16 rounds every layer's output to 8 bits of mantissa
 
 
 @pytest.fixture(scope="module", autouse=True)
-def native() -> None:
-    reason = load_native()
-    if reason is not None:
-        pytest.skip(f"native CPU ops unavailable: {reason}")
+def native(native_kernels: None) -> None:
+    """Every test here is about the native ops (their torch references are asked for by name)."""
 
 
 def run_greedy(llm: LLM, prompts: list[list[int]]) -> list[Greedy]:

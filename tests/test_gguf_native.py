@@ -65,13 +65,8 @@ def block_size(qtype: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def native_ops() -> None:
+def native_ops(native_kernels: None) -> None:
     """The native CPU ops (the path under test); skip where they cannot build."""
-    from kernels.native import load_native
-
-    reason = load_native()
-    if reason is not None:
-        pytest.skip(f"native CPU ops unavailable: {reason}")
 
 
 @pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)

@@ -402,6 +402,7 @@ def test_packed_weights_come_from_the_cache(model, tmp_path, monkeypatch, quanti
 
     if load_native() is not None:
         pytest.skip(f"native CPU ops unavailable: {load_native()}")
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "native")  # the path under test, whatever the suite runs
     sock = tmp_path / "sockets"
     sock.mkdir(mode=0o700)
     quant = ["--quantization", quantization] if quantization else []
@@ -426,7 +427,7 @@ def test_packed_weights_come_from_the_cache(model, tmp_path, monkeypatch, quanti
         stop(proc)
 
 
-def test_gguf_own_bits_come_from_the_cache(make_ckpt, tmp_path):
+def test_gguf_own_bits_come_from_the_cache(make_ckpt, tmp_path, monkeypatch):
     """A GGUF file on the CPU fast path: the daemon holds its repacked layers (segments and formats in
     the layers' attributes), an engine maps them and generates what a disk-loaded engine does."""
     from kernels.native import load_native
@@ -434,6 +435,7 @@ def test_gguf_own_bits_come_from_the_cache(make_ckpt, tmp_path):
 
     if load_native() is not None:
         pytest.skip(f"native CPU ops unavailable: {load_native()}")
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "native")  # the path under test, whatever the suite runs
     path = str(write_gguf(make_ckpt("qwen2"), tmp_path / "qwen2-q5_0.gguf", "Q5_0"))
     sock = tmp_path / "sockets"
     sock.mkdir(mode=0o700)
