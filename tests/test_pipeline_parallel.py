@@ -140,9 +140,14 @@ def test_speculation_grammars_and_logits_processors_run_on_the_last_stage(llama4
 
 
 @pytest.mark.model
-def test_stages_compose_to_the_whole_model_on_the_one_call_layers(make_ckpt):
+def test_stages_compose_to_the_whole_model_on_the_one_call_layers(make_ckpt, monkeypatch):
     """In one process, no links: stage 0's output fed to stage 1 equals the whole model's hidden states
     bit for bit, each stage running its own layers through the one-call decode path (bf16 on CPU)."""
+    from kernels.native import load_native
+
+    if load_native() is not None:
+        pytest.skip(f"native CPU ops unavailable: {load_native()}")
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "native")  # the path under test, whatever the suite runs
     path = str(make_ckpt("llama", layers=4, dtype="bfloat16"))
     setup = dict(dtype="bfloat16", device="cpu", num_kv_blocks=8, max_model_len=128)
     whole = Worker(EngineConfig.create(path, **setup))
