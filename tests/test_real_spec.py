@@ -24,6 +24,13 @@ from frontend.bench.workloads import COMPLETIONS, REWRITE_ASK, chat_prompt
 
 pytestmark = pytest.mark.real
 
+
+@pytest.fixture(scope="module", autouse=True)
+def native(native_kernels: None) -> None:
+    """The pair on the GGUF integer-dot kernels, also in a suite run with EMBER_CPU_KERNELS=torch: the
+    torch references would dequantize both models to float32 (about 20 GB with the draft)."""
+
+
 NEW_TOKENS = 24
 TIE = 1e-3
 SHORT_FUNCTION = (
