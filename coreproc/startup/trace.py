@@ -51,9 +51,14 @@ def record(
         "start": start,
         "end": time.time() if end is None else end,
     }
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:  # a trace never stops a start: a file it cannot write loses the line
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError:
+        return
     try:
         os.write(fd, (json.dumps(line) + "\n").encode())
+    except OSError:
+        pass
     finally:
         os.close(fd)
 
@@ -81,7 +86,11 @@ def process_start_time() -> float:
 def started(what: str = "interpreter and imports", process: str | None = None) -> None:
     """Record the process's life so far (the interpreter starting, the imports done before this call)."""
     if _path() is not None:
-        record(what, process_start_time(), process=process)
+        try:
+            begun = process_start_time()
+        except (OSError, IndexError, ValueError):  # no /proc: nothing to say
+            return
+        record(what, begun, process=process)
 
 
 def read(path: str | Path) -> list[dict[str, Any]]:
