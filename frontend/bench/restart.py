@@ -19,13 +19,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from coreproc.config import EngineConfig
 from coreproc.gguf_file import is_gguf
 from coreproc.model_config import MODEL_HELP
 from frontend.bench import restart_trace
 from frontend.bench.restart_trace import StartTrace
+
+EMBER = [sys.executable, "-m", "frontend.cli"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,23 +110,46 @@ def time_to_ready(
             proc.kill()
 
 
-Best = tuple[float, float, str, StartTrace | None]  # ready s, healthy s, start-up lines, its trace
+Timed = tuple[Any, ...]  # a start's seconds (the first value: which start is best) and what else it gave
 
 
-def best_start(cmd: list[str], runs: int, tracing: bool) -> Best:
-    """The fastest of `runs` starts of `cmd` (`time_to_ready`), with its trace when `tracing`."""
-    best: Best | None = None
+def best_of(
+    runs: int, tracing: bool, attempt: Callable[[StartTrace | None], Timed]
+) -> tuple[Timed, StartTrace | None]:
+    """The fastest of `runs` attempts, and its trace when `tracing` (the others' are removed)."""
+    best: Timed | None = None
+    best_trace: StartTrace | None = None
     for _ in range(runs):
         traced = StartTrace() if tracing else None
-        ready, healthy, lines = time_to_ready(cmd, traced=traced)
-        if best is None or ready < best[0]:
-            if best is not None and best[3] is not None:
-                best[3].remove()
-            best = (ready, healthy, lines, traced)
+        result = attempt(traced)
+        if best is None or result[0] < best[0]:
+            if best_trace is not None:
+                best_trace.remove()
+            best, best_trace = result, traced
         elif traced is not None:
             traced.remove()
     assert best is not None, "at least one run"
-    return best
+    return best, best_trace
+
+
+def restore_once(root: Path, traced: StartTrace | None) -> float:
+    """Seconds of one `ember snapshot restore` of `root`, launch to return; the restored server is
+    killed after."""
+    start, launch = time.perf_counter(), time.time()
+    done = subprocess.run(
+        [*EMBER, "snapshot", "restore", str(root), "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=traced.env() if traced is not None else None,
+    )
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip())
+    os.kill(int(re.search(r"\(pid (\d+)\)", done.stdout).group(1)), signal.SIGKILL)
+    if traced is not None:
+        traced.launch = launch
+        traced.mark("launch: restored, canary token back", launch, launch + seconds)
+    return seconds
 
 
 def snapshot_restore_time(
@@ -130,49 +157,30 @@ def snapshot_restore_time(
 ) -> tuple[float, str, StartTrace | None]:
     """Best seconds of `ember snapshot restore` (launch to return), a note on the snapshot, and the
     best restore's trace when `tracing`."""
-    ember = [sys.executable, "-m", "frontend.cli"]
     with tempfile.TemporaryDirectory(prefix="ember-bench-snap-") as tmp:
         root = Path(tmp) / "snap"
         made = subprocess.run(
-            [*ember, "snapshot", "create", str(root), *engine_flags(config), "--port", "0"],
+            [*EMBER, "snapshot", "create", str(root), *engine_flags(config), "--port", "0"],
             capture_output=True,
             text=True,
         )
         if made.returncode != 0:
             raise RuntimeError(made.stderr.strip() or made.stdout.strip())
-        best, best_trace = float("inf"), None
-        for _ in range(runs):
-            traced = StartTrace() if tracing else None
-            start, launch = time.perf_counter(), time.time()
-            done = subprocess.run(
-                [*ember, "snapshot", "restore", str(root), "--port", "0"],
-                capture_output=True,
-                text=True,
-                env=traced.env() if traced is not None else None,
-            )
-            seconds = time.perf_counter() - start
-            if done.returncode != 0:
-                raise RuntimeError(done.stderr.strip())
-            os.kill(int(re.search(r"\(pid (\d+)\)", done.stdout).group(1)), signal.SIGKILL)
-            if traced is not None:
-                traced.launch = launch
-                traced.mark("launch: restored, canary token back", launch, launch + seconds)
-            if seconds < best:
-                best, (best_trace, traced) = seconds, (traced, best_trace)
-            if traced is not None:
-                traced.remove()
+        (best,), best_trace = best_of(runs, tracing, lambda traced: (restore_once(root, traced),))
         note = re.search(r"\((\w+ mode)[^)]*\), image (\d+ MiB)", made.stdout)
         return best, f"{note.group(1)}, image {note.group(2)}" if note else "", best_trace
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    serve = [sys.executable, "-m", "frontend.cli", "serve", *engine_flags(config), "--port", "0"]
+    serve = [*EMBER, "serve", *engine_flags(config), "--port", "0"]
     tracing = args.trace or args.trace_plot is not None
-    cold, cold_healthy, _, cold_trace = best_start(serve, args.runs, tracing)
+    (cold, cold_healthy, _), cold_trace = best_of(
+        args.runs, tracing, lambda t: time_to_ready(serve, traced=t)
+    )
     with tempfile.TemporaryDirectory(prefix="ember-bench-") as tmp:
         sockets = Path(tmp) / "sockets"
         sockets.mkdir(mode=0o700)
-        preload_cmd = [sys.executable, "-m", "frontend.cli", "preload", *engine_flags(config)]
+        preload_cmd = [*EMBER, "preload", *engine_flags(config)]
         daemon = subprocess.Popen(
             [*preload_cmd, "--socket-dir", str(sockets)], stdout=subprocess.PIPE, text=True
         )
@@ -183,7 +191,9 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             else:
                 raise RuntimeError("ember preload failed to start")
             warm_cmd = [*serve, "--load-format", "ipc_cache", "--socket-dir", str(sockets)]
-            warm, warm_healthy, lines, warm_trace = best_start(warm_cmd, args.runs, tracing)
+            (warm, warm_healthy, lines), warm_trace = best_of(
+                args.runs, tracing, lambda t: time_to_ready(warm_cmd, traced=t)
+            )
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
