@@ -163,7 +163,8 @@ def _members(path: Path) -> list[Path]:
 
 
 def _model_stats(path: Path) -> dict[str, tuple[int, int]]:
-    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in _members(path)}
+    stats = {p.name: p.stat() for p in _members(path)}
+    return {name: (st.st_size, st.st_mtime_ns) for name, st in stats.items()}
 
 
 def _content_hash(path: Path) -> str:
