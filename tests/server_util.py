@@ -87,9 +87,8 @@ def eventually(read: Callable[[], T], done: Callable[[T], bool], timeout: float 
 
 def wait_idle(url: str, timeout: float = 30.0) -> None:
     """Until the engine reports no KV blocks in use and nothing running (stats refresh every second)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if metric(url, "ember_kv_cache_usage_ratio") == 0 and metric(url, "ember_num_requests_running") == 0:
-            return
-        time.sleep(0.2)
-    raise AssertionError("KV blocks still in use")
+
+    def usage() -> tuple[float, float]:
+        return metric(url, "ember_kv_cache_usage_ratio"), metric(url, "ember_num_requests_running")
+
+    assert eventually(usage, lambda now: now == (0, 0), timeout) == (0, 0), "KV blocks still in use"

@@ -193,9 +193,11 @@ def test_dp2_greedy_outputs_equal_a_single_engine(dp_server, reference) -> None:
     before = routed(url)
     got = [complete(url, p)["choices"][0]["text"] for p in PROMPT_TEXTS]
     assert got == reference
-    # the frontend mirrors routing counts every second
-    after = eventually(lambda: routed(url), lambda now: all(a > b for a, b in zip(now, before)))
-    assert all(a > b for a, b in zip(after, before)), "both cores served some of the prompts"
+    # the frontend mirrors routing counts every second: wait for all of these (a later test reads
+    # the counts as its baseline)
+    total = sum(before) + len(PROMPT_TEXTS)
+    after = eventually(lambda: routed(url), lambda now: sum(now) == total)
+    assert sum(after) == total and all(a > b for a, b in zip(after, before)), (before, after)
 
 
 async def _streams(url: str, n: int, max_tokens: int) -> list[tuple[str | None, int]]:
