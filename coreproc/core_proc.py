@@ -54,7 +54,7 @@ from coreproc.protocol import (
 )
 from coreproc.ray_executor import RayExecutor
 from coreproc.startup import boot, trace
-from coreproc.startup.orphan import LauncherWatch
+from coreproc.startup.orphan import LauncherWatch, exited, watch_pid
 
 log = logging.getLogger("ember.core")
 
@@ -93,6 +93,7 @@ class CoreServer:
         self._last_reap = time.monotonic()
         self.stopping_since: float | None = None
         self.parent_pid = parent_pid  # the launcher: if it disappears, nobody is left to serve
+        self.parent_fd = watch_pid(parent_pid) if parent_pid is not None else None
         self.launcher_gone = False
 
     def _bind_and_start(
@@ -317,7 +318,7 @@ class CoreServer:
                 busy = self.engine.has_unfinished_requests()
                 self._drain(0 if busy else IDLE_POLL_MS)
                 self._reap_silent_clients()
-                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                if self.parent_pid is not None and exited(self.parent_fd):
                     log.error("the launching process is gone; stopping")
                     self.launcher_gone = True
                     self.shutdown_timeout = 0.0
@@ -429,8 +430,9 @@ def run_core_process(
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m coreproc.core_proc`: started by a launcher, config as JSON on stdin."""
+def main(argv: list[str] | None = None, config_json: bytes | None = None) -> int:
+    """`python -m coreproc.core_proc`: started by a launcher, config as JSON on stdin (or given, when
+    forked by the preload zygote)."""
     import argparse
     import sys
 
@@ -446,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=os.environ.get("EMBER_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
     )
-    config = msgspec.json.decode(sys.stdin.buffer.read(), type=EngineConfig)
+    config = msgspec.json.decode(config_json or sys.stdin.buffer.read(), type=EngineConfig)
     keys = Path(args.curve_keys) if args.curve_keys else None
     return run_core_process(
         config,

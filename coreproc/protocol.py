@@ -543,17 +543,40 @@ class DaemonReady(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-class SpawnWorker(msgspec.Struct, kw_only=True):
-    """Core -> zygote: fork a worker process with these arguments (stdout/stderr ride as SCM_RIGHTS)."""
+class SpawnWorker(msgspec.Struct, kw_only=True, tag=True):
+    """Launcher -> zygote: fork an engine process, `role` "worker" (from the core) or "core" (from the
+    frontend), with these arguments; stdout/stderr ride as SCM_RIGHTS."""
 
     argv: list[str]
     config: bytes  # the EngineConfig as JSON
     env: dict[str, str] = {}
+    role: str = "worker"
+
+
+class SpawnServe(msgspec.Struct, kw_only=True, tag=True):
+    """`ember serve` -> zygote: fork the server with the launcher's command line, whole environment and
+    working directory; stdin/stdout/stderr ride as SCM_RIGHTS. `executable` and `package` (where the
+    launcher's Ember is installed) must be the zygote's own, or it refuses."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    executable: str
+    package: str
 
 
 class SpawnReply(msgspec.Struct, kw_only=True):
     pid: int = 0
     error: str | None = None
+
+
+class ServeExit(msgspec.Struct, kw_only=True):
+    """A zygote-forked server -> its launcher, on the spawn connection: the exit status to take."""
+
+    code: int
+
+
+ZygoteRequest = SpawnWorker | SpawnServe
 
 
 # ----------------------------------------------------------------------------- framing
@@ -578,6 +601,8 @@ KIND_OF: dict[type, bytes] = {
     CacheReply: b"\x52",
     SpawnWorker: b"\x53",
     SpawnReply: b"\x54",
+    SpawnServe: b"\x55",
+    ServeExit: b"\x56",
 }
 TYPE_OF: dict[bytes, type] = {kind: t for t, kind in KIND_OF.items()}
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
 
 from coreproc.config import ENGINE_SECTIONS, add_engine_arguments, engine_options
 from coreproc.errors import run_command
 from coreproc.model_config import MODEL_HELP
 from coreproc.options import flags
+from frontend.argv import command_of
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -188,19 +189,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def command_of(argv: list[str]) -> str | None:
-    """The subcommand named in `argv` (None for none or --help): only its module needs importing."""
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--log-level":
-            skip = True
-        elif not arg.startswith("-"):
-            return arg
-    return None
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI; with `only`, the other subcommands are listed but their modules not imported
     (start-up time counts for `ember snapshot restore`)."""
@@ -316,11 +304,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, tokenizers: Mapping[str, Any] | None = None) -> int:
+    """`ember ARGV`; `tokenizers`: ones already built, by path (a server forked by the preload zygote)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
     args.argv = list(argv)  # `ember serve --api-server-count` starts its other API servers with it
+    args.tokenizers = dict(tokenizers or {})
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     debug = args.log_level.upper() == "DEBUG"

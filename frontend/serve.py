@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,13 +96,16 @@ def describe_engine(addresses: list[str]) -> str:
     )
 
 
-def prepare_http(tokenizer_dir: str) -> tuple[Any, Any, Any]:
+def prepare_http(tokenizer_dir: str, built: Mapping[str, Any] | None = None) -> tuple[Any, Any, Any]:
     """The HTTP stack's imports and the tokenizer (uvicorn, build_app, tokenizer): done while the
-    engine starts, they are off the time to ready."""
+    engine starts, they are off the time to ready. `built`: tokenizers already built, by path (the
+    preload zygote's)."""
     with trace.phase("HTTP stack imports", FRONTEND):
         import uvicorn
 
         from frontend.api_server import build_app
+    if built and tokenizer_dir in built:
+        return uvicorn, build_app, built[tokenizer_dir]
     with trace.phase("tokenizer", FRONTEND):
         from coreproc.text.tokenizer import load_tokenizer
 
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         sock = bind(args.host, args.port, reuse_port=count > 1)
         host, port = sock.getsockname()[:2]
         with ThreadPoolExecutor(1) as pool:
-            prepared = pool.submit(prepare_http, config.model.tokenizer)
+            prepared = pool.submit(prepare_http, config.model.tokenizer, getattr(args, "tokenizers", None))
             with trace.phase("start the engine cores", FRONTEND):
                 group = CoreGroup(config, shutdown_timeout=args.shutdown_timeout)
             with group as cores:

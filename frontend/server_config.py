@@ -68,6 +68,12 @@ class ServerConfig:
         "templating and streaming spread over them",
         1,
     )
+    serve_zygote: bool = option(
+        "with --load-format ipc_cache, run the server as a fork of `ember preload`'s zygote (its imports "
+        "and the preloaded model's tokenizer ready): the fastest warm restart; the server then lives in "
+        "the preload's cgroup and limits",
+        True,
+    )
     features: ChatFeatures = field(default_factory=ChatFeatures)  # the `openai` flags
     media: MediaConfig = field(default_factory=MediaConfig)  # the `media` flags: image input
 

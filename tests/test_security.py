@@ -41,7 +41,9 @@ from coreproc.protocol import (
     TO_WORKER,
     CacheReply,
     CacheRequest,
+    ServeExit,
     SpawnReply,
+    SpawnServe,
     SpawnWorker,
 )
 from frontend import middleware
@@ -126,7 +128,7 @@ def test_every_socket_message_is_a_msgspec_struct_decoded_by_msgspec() -> None:
         codec = Codec(direction)
         assert all(isinstance(d, msgspec.msgpack.Decoder) for d in codec._decoders.values())
         assert {d.type for d in codec._decoders.values()} == set(direction)
-    for typ in (CacheRequest, CacheReply, SpawnWorker, SpawnReply):  # the Unix-socket channels
+    for typ in (CacheRequest, CacheReply, SpawnWorker, SpawnServe, SpawnReply, ServeExit):  # Unix sockets
         assert issubclass(typ, msgspec.Struct), typ
 
 

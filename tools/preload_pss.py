@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-EMBER = [sys.executable, "-m", "frontend.cli"]
+EMBER = [sys.executable, "-m", "frontend.launch"]  # what the `ember` command runs
 
 
 def pss_kib(pid: int) -> int:

@@ -32,7 +32,7 @@ def free_port() -> int:
 
 
 def serve(model: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", str(port), *extra]
+    cmd = [sys.executable, "-m", "frontend.launch", "serve", model, "--port", str(port), *extra]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -43,17 +43,38 @@ def healthy(url: str) -> bool:
         return False
 
 
-def core_of(pid: int) -> int:
+def processes() -> list[tuple[int, int, str, int]]:
+    """(pid, parent pid, title, start time in clock ticks) of every process."""
+    out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                stat = (entry / "stat").read_text()
-                cmd = (entry / "cmdline").read_bytes()
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and cmd.startswith(b"ember-core"):
-                return int(entry.name)
-    raise RuntimeError("no ember-core under the server")
+            out.append((int(entry.name), int(fields[1]), cmd, int(fields[19])))
+    return out
+
+
+def core_of(pid: int) -> int:
+    """The `ember-core` of the server launched as `pid`: its child, or, when the preload zygote forked
+    the server (`ember serve --load-format ipc_cache` beside `ember preload`), the one core the
+    zygote forked since that launch (this tool runs one server at a time)."""
+    procs = processes()
+    mine = [p for p, parent, cmd, _ in procs if parent == pid and cmd.startswith("ember-core")]
+    if mine:
+        return mine[0]
+    launched = next(start for p, _, _, start in procs if p == pid)
+    zygotes = {p for p, _, cmd, _ in procs if cmd.startswith("ember-zygote")}
+    forked = [
+        p
+        for p, parent, cmd, start in procs
+        if parent in zygotes and cmd.startswith("ember-core") and start >= launched
+    ]
+    if len(forked) != 1:
+        raise RuntimeError(f"no single ember-core for the server {pid} (found {forked})")
+    return forked[0]
 
 
 def stream_until_end(url: str, ended: list[float]) -> None:

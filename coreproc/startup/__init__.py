@@ -4,11 +4,14 @@ The process tree of `ember serve` (every name is the process title):
 
     ember (frontend: HTTP, tokenizer)          launcher.CoreProcess -> python -m coreproc.startup.boot core
       └─ ember-core (scheduler, engine core)  spawn.spawn_worker   -> python -m coreproc.startup.boot worker
-           └─ ember-worker-<rank> ...          (or forked by ember-zygote, see below)
+           └─ ember-worker-<rank> ...
 
     ember-preload (`ember preload`, separate)  workers.weight_cache.preload
       ├─ ember-preload-<role>-dp<d>-tp<t> (weight-cache daemons, one per rank)
-      └─ ember-zygote (zygote.py): forks ember-worker-<rank> for engines that ask, torch pre-imported
+      └─ ember-zygote (zygote.py): every module imported, the preloaded tokenizer built; forks
+           ├─ ember-serve     for `ember serve --load-format ipc_cache` (frontend.launch stands in)
+           ├─ ember-core      for a frontend with --load-format ipc_cache (spawn.spawn_engine_process)
+           └─ ember-worker-<rank>  for such a core
 
 `ember core` runs the core in the user's process; the offline `LLM` and `ember batch` run the engine
 core in-process (workers in-process or spawned as above). `boot` is the first module of every fresh

@@ -2,7 +2,8 @@
 
 Runs in the process that needs an engine behind a socket: the HTTP frontend, tests, benchmarks.
 It creates the launch's private runtime directory (0700), starts `python -m coreproc.startup.boot core`
-(coreproc.core_proc, collector paused while it starts) with the config as JSON on stdin, and waits
+(coreproc.core_proc, collector paused while it starts) with the config as JSON on stdin, or has the
+preload zygote fork it (`--load-format ipc_cache`, coreproc.startup.spawn), and waits
 for `CoreReady` on a one-shot socket, with a timeout, watching the child. `stop()` sends SIGTERM
 (graceful), then kills what is left and removes the directory. `CoreGroup` starts the cores of
 data parallelism together: one per rank, its config's `data_parallel_rank` set.
@@ -14,7 +15,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +28,7 @@ from coreproc.config import EngineConfig
 from coreproc.errors import EmberError
 from coreproc.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.protocol import CoreReady
+from coreproc.startup.spawn import ForkedProcess, spawn_engine_process
 
 
 class EngineStartError(RuntimeError):
@@ -62,20 +63,25 @@ class CoreProcess:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         bind(self._pull, ready_endpoint)
-        cmd = [sys.executable, "-m", "coreproc.startup.boot", "core", "--listen", listen]
-        cmd += ["--runtime-dir", str(self.runtime_dir), "--ready-endpoint", ready_endpoint]
-        cmd += ["--shutdown-timeout", str(shutdown_timeout), "--parent-pid", str(os.getpid())]
-        cmd += ["--client-timeout", str(client_timeout)]
+        argv = [
+            "--listen",
+            listen,
+            "--runtime-dir",
+            str(self.runtime_dir),
+            "--ready-endpoint",
+            ready_endpoint,
+        ]
+        argv += ["--shutdown-timeout", str(shutdown_timeout), "--parent-pid", str(os.getpid())]
+        argv += ["--client-timeout", str(client_timeout)]
         if curve_keys is not None:
-            cmd += ["--curve-keys", str(curve_keys)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=False)
-        assert self.proc.stdin is not None
+            argv += ["--curve-keys", str(curve_keys)]
         try:
-            self.proc.stdin.write(msgspec.json.encode(config))
-            self.proc.stdin.close()
+            self.proc: subprocess.Popen | ForkedProcess = spawn_engine_process(
+                config, "core", argv, msgspec.json.encode(config)
+            )
         except BaseException:
             self._close_ready_socket()
-            self.stop(grace=0)
+            remove_runtime_dir(self.runtime_dir)
             raise
         if wait:
             self.wait_ready()

@@ -49,3 +49,17 @@ class LauncherWatch:
 
     def started(self) -> None:
         os.write(self.wake_w, b"x")
+
+
+def watch_pid(pid: int) -> int | None:
+    """A pidfd of `pid` for `exited` (None when it is already gone). A pidfd, not `os.getppid()`: a
+    process the preload zygote forked is not its launcher's child."""
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+
+
+def exited(pidfd: int | None) -> bool:
+    """Whether the process behind `pidfd` (from `watch_pid`) has exited; no wait."""
+    return pidfd is None or bool(select.select([pidfd], [], [], 0)[0])

@@ -1,37 +1,46 @@
-"""The worker zygote (`ember-zygote`): forks engine worker processes with torch already imported.
+"""The zygote (`ember-zygote`): forks Ember's processes with their modules already imported.
 
-Started by `ember preload` beside the weight-cache daemons. Importing torch and transformers costs
-seconds per process, longer than mapping cached weights, so a warm restart asks this process to fork
-its workers instead of starting fresh interpreters. It imports the heavy modules, never runs a torch
-operation itself (no thread pools exist to break across fork), listens on `zygote.sock` in the cache
-directory (0600, same-user peers only) and answers each `SpawnWorker` by forking: the child takes the
-requester's stdout/stderr and environment entries and runs the worker main. Children are reaped here.
+Started by `ember preload` beside the weight-cache daemons. Importing torch, transformers and the HTTP
+stack costs more than mapping cached weights, so a warm restart asks this process to fork instead of
+starting fresh interpreters: the engine's workers (asked by the core), its core (asked by the
+frontend) and the `ember serve` frontend itself (asked by the `ember` command, frontend.launch). It
+imports the heavy modules and prepares the preloaded model's tokenizer and GGUF header once
+(`--warm`), never runs a torch operation itself (no thread pools exist to break across fork), freezes
+its heap so children share those pages, listens on `zygote.sock` in the cache directory (0600,
+same-user peers only) and answers each request by forking. A child takes the requester's standard
+streams and environment, keeps the request's connection and reports its exit status on it
+(`ServeExit`) before it ends. Children are reaped here.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import gc
+import importlib
 import logging
 import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from coreproc.protocol import SpawnReply, SpawnWorker
+from coreproc.protocol import ServeExit, SpawnReply, SpawnServe, ZygoteRequest
+from coreproc.startup.spawn import ENV_PREFIXES, ZYGOTE_SOCKET
 from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
 
 log = logging.getLogger("ember.zygote")
 
-ZYGOTE_SOCKET = "zygote.sock"
-WORKER_MODULES = (
+ENGINE_MODULES = (
     "torch",
     "transformers",
     "transformers.models.llama.configuration_llama",
     "transformers.models.mistral.configuration_mistral",
     "transformers.models.qwen2.configuration_qwen2",
     "transformers.models.qwen3.configuration_qwen3",
+    "coreproc.core_proc",
     "workers.worker_proc",
     "workers.worker",
     "workers.models.llama",
@@ -43,32 +52,100 @@ WORKER_MODULES = (
     "workers.quant.int8",
     "workers.quant.int4",
 )
+# named, not imported: the frontend sits above this layer (its entry points are looked up by name)
+SERVE_MODULES = ("uvicorn", "uvloop", "frontend.cli", "frontend.serve", "frontend.api_server")
+SERVE_ENTRY = ("frontend.launch", "forked")
+ROLE_MAINS = {"worker": "workers.worker_proc", "core": "coreproc.core_proc"}
+
+
+class Prepared:
+    """What every child inherits ready-made: the preloaded models' tokenizers, by path."""
+
+    def __init__(self, warm: list[str]) -> None:
+        from coreproc.gguf_file import is_gguf, open_gguf
+        from coreproc.text.tokenizer import load_tokenizer
+
+        self.tokenizers: dict[str, Any] = {}
+        for path in warm:
+            try:
+                if is_gguf(path):
+                    open_gguf(path)  # the header, parsed once (shared by the children's configs)
+                self.tokenizers[path] = load_tokenizer(path)
+            except (OSError, ValueError) as e:  # the server then builds it itself, as without a zygote
+                log.warning("cannot prepare the tokenizer of %s: %s", path, e)
 
 
 def preimport() -> None:
-    import importlib
-
-    for name in WORKER_MODULES:
+    for name in (*ENGINE_MODULES, *SERVE_MODULES):
         importlib.import_module(name)
 
 
-def child(req: SpawnWorker, fds: list[int], listener: socket.socket) -> None:
-    """Runs in the forked process: become the worker (never returns)."""
-    listener.close()
-    for target, fd in zip((1, 2), fds):
+def take_environment(env: dict[str, str], whole: bool) -> None:
+    """The requester's environment: all of it (`whole`), or its Ember/OpenMP/torch entries (those of
+    ours it lacks removed)."""
+    for key in list(os.environ):
+        if whole or (key.startswith(ENV_PREFIXES) and key not in env):
+            del os.environ[key]
+    os.environ.update(env)
+
+
+def child(
+    req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list[int], prepared: Prepared
+) -> None:
+    """Runs in the forked process: become the requested process (never returns)."""
+    for fd in closing:  # the listener and the zygote's lock: a child must not hold them
+        os.close(fd)
+    targets = (0, 1, 2) if isinstance(req, SpawnServe) else (1, 2)
+    for stream in (sys.stdout, sys.stderr):  # nothing of the zygote's reaches the requester's streams
+        stream.flush()
+    for target, fd in zip(targets, fds):
         os.dup2(fd, target)
     for fd in fds:
         os.close(fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.update(req.env)
-    sys.stdin = open(os.devnull)
-    from workers.worker_proc import main
-
+    sys.stdout.reconfigure(line_buffering=os.isatty(1))  # type: ignore[union-attr]
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    take_environment(req.env, whole=isinstance(req, SpawnServe))
+    main: Callable[[], Any]
+    if isinstance(req, SpawnServe):
+        os.chdir(req.cwd)
+        module, name = SERVE_ENTRY
+        forked = getattr(importlib.import_module(module), name)
+        main = lambda: forked(req.argv, conn, prepared.tokenizers)  # noqa: E731
+    else:
+        sys.stdin = open(os.devnull)
+        role_main = importlib.import_module(ROLE_MAINS[req.role]).main
+        main = lambda: role_main(req.argv, config_json=req.config)  # noqa: E731
+    code = 1
     try:
-        main(req.argv, config_json=req.config)
+        status = main()
+        code = status if isinstance(status, int) else 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
     finally:
-        os._exit(1)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            send_msg(conn, ServeExit(code=code))
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def refusal(req: ZygoteRequest) -> str | None:
+    """Why this zygote cannot be `req`'s process (another Python or another Ember install), or None."""
+    if not isinstance(req, SpawnServe):
+        return None if req.role in ROLE_MAINS else f"unknown role {req.role!r}"
+    if os.path.realpath(req.executable) != os.path.realpath(sys.executable):
+        return f"the zygote runs {sys.executable}, not {req.executable}"
+    package = str(Path(importlib.import_module("frontend").__file__ or "").parent)
+    return None if req.package == package else f"the zygote runs Ember from {package}, not {req.package}"
 
 
 def reap(*_: object) -> None:
@@ -79,7 +156,7 @@ def reap(*_: object) -> None:
         pass
 
 
-def serve(socket_file: Path) -> None:
+def serve(socket_file: Path, lock: int, prepared: Prepared) -> None:
     if socket_file.exists():
         socket_file.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -98,10 +175,14 @@ def serve(socket_file: Path) -> None:
             try:
                 if peer_uid(conn) != os.getuid():
                     continue
-                req, fds = recv_msg(conn, SpawnWorker)
+                req, fds = recv_msg(conn, ZygoteRequest)
+                why = refusal(req)
+                if why is not None:
+                    send_msg(conn, SpawnReply(error=why))
+                    continue
                 pid = os.fork()
                 if pid == 0:
-                    child(req, fds, listener)
+                    child(req, fds, conn, [listener.fileno(), lock], prepared)
                 send_msg(conn, SpawnReply(pid=pid))
             except Exception as e:  # a bad request never takes the zygote down
                 log.warning("spawn failed: %s", e)
@@ -119,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m coreproc.startup.zygote")
     p.add_argument("--socket-dir", required=True)
+    p.add_argument("--warm", action="append", default=[], help="a tokenizer (folder or GGUF) to prepare")
     args = p.parse_args(argv)
     setproctitle("ember-zygote")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -129,8 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     except BlockingIOError:
         print(f"ember zygote: another zygote already serves {path}", flush=True)
         return 1
+    gc.disable()
     preimport()
-    serve(path)
+    prepared = Prepared(args.warm)
+    gc.freeze()  # children share the imported heap: a collection in one of them leaves it unwritten
+    gc.enable()
+    serve(path, lock, prepared)
     return 0
 
 

@@ -29,7 +29,7 @@ from coreproc.model_config import MODEL_HELP
 from frontend.bench import restart_trace
 from frontend.bench.restart_trace import StartTrace
 
-EMBER = [sys.executable, "-m", "frontend.cli"]
+EMBER = [sys.executable, "-m", "frontend.launch"]  # what the `ember` command runs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -269,14 +269,41 @@ class RotaryEmbedding(OpModule):
         self.rotary_dim = rotary_dim
         self.max_positions = max_positions
         self.inv_freq, self.scaling = inv_freq.float(), scaling  # host copies: tables can be rebuilt
-        self.materialize(torch.get_default_device())
+        device = torch.get_default_device()
+        if device.type == "meta":  # shapes only: `materialize` makes the tables real on the real device
+            for name in ("cos", "sin"):
+                table = torch.empty(max_positions, rotary_dim, dtype=torch.float32, device=device)
+                self.register_buffer(name, table, persistent=False)
+        else:
+            self._build(device)
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables' rows at `positions`, on the host. Both halves of a row are equal: each is
+        computed once."""
+        freqs = torch.outer(positions, self.inv_freq)
+        cos, sin = freqs.cos().mul_(self.scaling), freqs.sin().mul_(self.scaling)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    def _build(self, device: torch.device) -> None:
+        cos, sin = self._rows(torch.arange(self.max_positions, dtype=torch.float32))
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     def materialize(self, device: torch.device) -> None:
-        """(Re)build the cos/sin tables on `device` (models built on the meta device call this later)."""
-        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
-        emb = torch.cat((torch.outer(t, self.inv_freq),) * 2, dim=-1)
-        self.register_buffer("cos", (emb.cos() * self.scaling).to(device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * self.scaling).to(device), persistent=False)
+        """Make the tables real on `device` for a model built on the meta device. Tables installed
+        from the preload cache (built for as many positions or more, their last row checked against
+        this model's rope) are kept, cut to `max_positions`: building 32k rows costs a tenth of a
+        second of a warm restart, and a worker then touches only the rows it reads."""
+        have, rows = self.cos, self.max_positions
+        if not have.is_meta and have.device == device and have.shape[0] >= rows:
+            last_cos, last_sin = self._rows(torch.tensor([rows - 1], dtype=torch.float32))
+            if torch.equal(have[rows - 1 : rows].cpu(), last_cos) and torch.equal(
+                self.sin[rows - 1 : rows].cpu(), last_sin
+            ):
+                self.register_buffer("cos", have[:rows], persistent=False)
+                self.register_buffer("sin", self.sin[:rows], persistent=False)
+                return
+        self._build(device)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

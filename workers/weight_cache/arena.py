@@ -45,14 +45,16 @@ def strided_view(
 
 
 def named_tensors(model: nn.Module) -> tuple[list[tuple[str, str, torch.Tensor]], dict[str, str]]:
-    """Every parameter once, plus aliases for names that share a tensor (tied weights).
-
-    Buffers (rotary tables) are not weights: they depend on the engine's max_model_len and the engine
-    rebuilds them (`materialize`)."""
+    """Every parameter once, plus aliases for names that share a tensor (tied weights), and the derived
+    tables of modules that can rebuild them (`materialize`: rotary cos/sin): an engine keeps those it
+    can use (same rope, as many positions or fewer) and builds the others."""
     seen: dict[tuple[int, int], str] = {}
     entries: list[tuple[str, str, torch.Tensor]] = []
     aliases: dict[str, str] = {}
     items = [(n, "param", t) for n, t in model.named_parameters(remove_duplicate=False)]
+    for owner, module in model.named_modules(remove_duplicate=False):
+        if callable(getattr(module, "materialize", None)):
+            items += [(f"{owner}.{n}", "buffer", t) for n, t in module.named_buffers(recurse=False)]
     for name, kind, t in items:
         key = (t.data_ptr(), t.numel())
         if key in seen and t.numel():

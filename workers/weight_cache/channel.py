@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -18,6 +20,12 @@ MAX_FDS = 16
 MAX_BODY = 64 * 2**20
 
 _encoder = msgspec.msgpack.Encoder()
+
+
+def default_socket_dir() -> Path:
+    """Where `ember preload` puts its daemons' and zygote's sockets unless told (--socket-dir)."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(base) / f"ember-cache-{os.getuid()}"
 
 
 def peer_creds(conn: socket.socket) -> tuple[int, int, int]:
@@ -52,9 +60,10 @@ def close_fds(fds: list[int]) -> None:
         os.close(fd)
 
 
-def recv_msg(conn: socket.socket, typ: type) -> tuple[Any, list[int]]:
-    """One message of `typ` and the file descriptors that came with it (the caller closes them; when
-    the message is cut short, too large or does not decode, they are closed here)."""
+def recv_msg(conn: socket.socket, typ: Any) -> tuple[Any, list[int]]:
+    """One message of `typ` (a message type, or a union of tagged ones) and the file descriptors that
+    came with it (the caller closes them; when the message is cut short, too large or does not decode,
+    they are closed here)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, MAX_FDS)
     try:
         if len(head) < 8:

@@ -21,14 +21,14 @@ from torch import nn
 
 from coreproc.config import EngineConfig
 from coreproc.protocol import CacheReply, CacheRequest
+from coreproc.startup import trace
 from kernels import AttentionBackend
 from workers.models.layers import VocabEmbedding
 from workers.parallel import TPGroup
 from workers.quant.base import QuantLayer
 from workers.weight_cache.arena import import_cpu, import_cuda, install, keep_mapping
-from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
+from workers.weight_cache.channel import default_socket_dir, peer_uid, recv_msg, send_msg
 from workers.weight_cache.fingerprint import (
-    default_socket_dir,
     device_identity,
     fingerprint,
     linear_kernel,
@@ -105,7 +105,6 @@ def load_from_cache(
     role: str = "target",
 ) -> nn.Module:
     """The model with the daemon's tensors installed (zero-copy), or CacheUnavailable."""
-    from workers.loader import construct
     from workers.quant import make_method
 
     kernel = linear_kernel(config)
@@ -115,8 +114,10 @@ def load_from_cache(
     path = cache_socket(config, device, tp.rank, role)
     if config.load.preload_wait_timeout > 0:
         wait_ready(path, config.load.preload_wait_timeout)
-    fp = fingerprint(config, tp.rank, device_identity(device.type, device.index or 0), role)
-    reply, fds = request(path, CacheRequest(kind="state", fingerprint=fp), timeout=STATE_TIMEOUT)
+    with trace.phase("weights: fingerprint"):
+        fp = fingerprint(config, tp.rank, device_identity(device.type, device.index or 0), role)
+    with trace.phase("weights: the daemon's answer"):
+        reply, fds = request(path, CacheRequest(kind="state", fingerprint=fp), timeout=STATE_TIMEOUT)
     try:
         if reply.status == "mismatch":
             raise CacheUnavailable(f"fingerprint mismatch in {', '.join(reply.fields)}")
@@ -125,12 +126,33 @@ def load_from_cache(
         if device.type == "cpu":
             if not fds:
                 raise CacheUnavailable("the preload daemon sent no shared memory")
-            tensors, mapping = import_cpu(fds[0], reply.arena_bytes, reply.tensors)
+            with trace.phase("weights: map the arena"):
+                tensors, mapping = import_cpu(fds[0], reply.arena_bytes, reply.tensors)
         else:
             tensors, mapping = import_cuda(reply.tensors, device), None
     finally:
         for fd in fds:
             os.close(fd)
+    with trace.phase("weights: the model around them"):
+        model = around(config, device, backend, kernel, tp, tensors, reply)
+    if mapping is not None:
+        keep_mapping(model, mapping)  # keeps the shared memory mapped as long as the model lives
+    return model.eval()
+
+
+def around(
+    config: EngineConfig,
+    device: torch.device,
+    backend: AttentionBackend,
+    kernel: str,
+    tp: TPGroup,
+    tensors: dict[str, torch.Tensor],
+    reply: CacheReply,
+) -> nn.Module:
+    """The model built on the meta device with the cache's tensors installed, its derived tables made
+    real (`materialize`), CacheUnavailable if a tensor is missing."""
+    from workers.loader import construct
+
     cfg = config.model
     model = construct(
         cfg.model,
@@ -156,6 +178,4 @@ def load_from_cache(
     missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if missing:
         raise CacheUnavailable(f"the cache lacks {len(missing)} tensors (first: {missing[0]})")
-    if mapping is not None:
-        keep_mapping(model, mapping)  # keeps the shared memory mapped as long as the model lives
-    return model.eval()
+    return model

@@ -16,7 +16,6 @@ import json
 import os
 import stat
 import struct
-import tempfile
 from pathlib import Path
 
 from coreproc.config import EngineConfig
@@ -144,11 +143,6 @@ def fingerprint(config: EngineConfig, tp_rank: int, device: str, role: str = "ta
 def differences(a: Fingerprint, b: Fingerprint) -> list[str]:
     """Names of the fields that differ."""
     return [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)]
-
-
-def default_socket_dir() -> Path:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    return Path(base) / f"ember-cache-{os.getuid()}"
 
 
 def socket_path(socket_dir: Path, device: str, dp_rank: int, tp_rank: int, role: str = "target") -> Path:

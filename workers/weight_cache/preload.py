@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def socket_dir(args: argparse.Namespace) -> Path:
-    from workers.weight_cache.fingerprint import check_socket_dir, default_socket_dir
+    from workers.weight_cache.channel import default_socket_dir
+    from workers.weight_cache.fingerprint import check_socket_dir
 
     given = args.socket_dir is not None
     path = Path(args.socket_dir) if given else default_socket_dir()
@@ -124,6 +125,8 @@ class Launcher:
     def start(self, timeout: float) -> None:
         env = dict(os.environ)
         zygote_cmd = [sys.executable, "-m", "coreproc.startup.zygote", "--socket-dir", str(self.directory)]
+        for tokenizer in dict.fromkeys(p.config.model.tokenizer for p in self.places if p.role == "target"):
+            zygote_cmd += ["--warm", tokenizer]  # the servers it forks find it built
         # the zygote's children are engine workers: their short OpenMP spin, set before torch loads
         zygote_env = worker_openmp_env(env)
         self.zygote = zygote = subprocess.Popen(zygote_cmd, stdout=subprocess.PIPE, text=True, env=zygote_env)

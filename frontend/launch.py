@@ -1,0 +1,107 @@
+"""The `ember` command's first module: `ember serve` on a preloaded host starts as a fork of the zygote.
+
+Runs in the user's shell process, importing little. With `--load-format ipc_cache` and an `ember
+preload` zygote listening (its socket directory: --socket-dir or the default), `ember serve` does not
+import its HTTP stack and tokenizer itself: it asks the zygote, which has them imported and the
+preloaded model's tokenizer built, to fork the server with this command line, environment, working
+directory and standard streams (`SpawnServe`), then stands in for it: SIGINT, SIGTERM, SIGHUP and
+SIGQUIT are passed on, and its exit status is the server's. A server whose launcher is gone (killed)
+stops as on SIGTERM. The server is then a child of the zygote: its resource limits and cgroup are the
+preload's. `--no-serve-zygote` (or no zygote, or one running another Python or Ember install) starts
+the server in this process as before; so do `python -m frontend.cli serve`, parked snapshots and the
+extra API servers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from frontend.argv import command_of, flag_value
+
+RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+SERVE_WITHOUT_ZYGOTE = ("--no-serve-zygote", "--snapshot-park", "--api-server-child", "-h", "--help")
+
+
+def zygote_for(argv: list[str]) -> Path | None:
+    """The zygote socket to fork `ember ARGV` from, or None to run it here."""
+    if command_of(argv) != "serve" or flag_value(argv, "--load-format") != "ipc_cache":
+        return None
+    if any(arg.split("=", 1)[0] in SERVE_WITHOUT_ZYGOTE for arg in argv):
+        return None
+    from coreproc.startup.spawn import zygote_at
+
+    return zygote_at(flag_value(argv, "--socket-dir"))
+
+
+def serve_from(zygote: Path, argv: list[str]) -> int | None:
+    """Have the zygote fork `ember serve ARGV` and stand in for it until it exits (its exit status);
+    None when the zygote cannot (the reason logged), so that the caller serves itself."""
+    import frontend
+    from coreproc.protocol import SpawnServe
+    from coreproc.startup import trace
+    from coreproc.startup.spawn import fork_from
+
+    trace.started(process="ember (launcher)")
+    request = SpawnServe(
+        argv=list(argv),
+        env=dict(os.environ),
+        cwd=os.getcwd(),
+        executable=sys.executable,
+        package=str(Path(frontend.__file__ or "").parent),
+    )
+    try:
+        with trace.phase("fork the server from the zygote", "ember (launcher)"):
+            server = fork_from(zygote, request, [0, 1, 2])
+    except (OSError, ConnectionError, RuntimeError) as e:
+        print(f"ember serve: not forked from the preload zygote ({e}); starting here", file=sys.stderr)
+        return None
+    for sig in RELAYED:
+        signal.signal(sig, lambda sig, _frame: server.send_signal(sig))
+    code = server.wait()
+    return code if code >= 0 else 1  # -1: it ended without a status (killed)
+
+
+def forked(argv: list[str], conn: socket.socket, tokenizers: Mapping[str, Any]) -> int:
+    """Runs in the zygote's child: `ember serve ARGV` with the zygote's prepared tokenizers; SIGTERM
+    to itself when the launcher's end of `conn` closes (the launcher was killed)."""
+    from setproctitle import setproctitle
+
+    from frontend.cli import main
+
+    setproctitle("ember-serve")
+    sys.argv = ["ember", *argv]
+
+    def watch() -> None:
+        try:
+            while conn.recv(1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ember-launcher-watch", daemon=True).start()
+    return main(argv, tokenizers=tokenizers)
+
+
+def main() -> int:
+    """The `ember` console script."""
+    argv = sys.argv[1:]
+    zygote = zygote_for(argv)
+    if zygote is not None:
+        code = serve_from(zygote, argv)
+        if code is not None:
+            return code
+    from frontend.cli import main as cli_main
+
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

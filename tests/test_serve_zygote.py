@@ -1,0 +1,210 @@
+"""`ember serve` forked by the preload zygote: the same answers, signals and exit status as a server
+started in the launcher's own process, and the server gone when its launcher is.
+
+A real `ember preload` (tiny Llama, private socket directory) per module; the servers are launched as
+the `ember` command runs them (`python -m frontend.launch`) and found through /proc.
+Run: `pytest -q tests/test_serve_zygote.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from test_preload import _children, start_preload, stop
+
+from coreproc import LLM, SamplingParams
+from coreproc.protocol import SpawnServe, SpawnWorker
+from coreproc.startup import zygote
+from frontend.argv import flag_value
+from frontend.launch import zygote_for
+from tests.server_util import eventually
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["def f(x):", "import os\n"]
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def titled(title: str) -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and comm(int(p.name)) == title]
+
+
+@pytest.fixture(scope="module")
+def model(make_ckpt) -> str:
+    return str(make_ckpt("llama", hidden=128, layers=2, intermediate=256, vocab=512, heads=4, kv_heads=2))
+
+
+@pytest.fixture(scope="module")
+def preloaded(model, tmp_path_factory):
+    sockdir = tmp_path_factory.mktemp("zygote-sockets")
+    sockdir.chmod(0o700)
+    proc = start_preload(model, sockdir)
+    yield sockdir
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def fresh_texts(model) -> list[str]:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model, dtype="float32", show_progress=False) as llm:
+        return [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def launch(model: str, sockdir: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "frontend.launch", "serve", model, "--dtype", "float32", "--port", "0"]
+    cmd += ["--load-format", "ipc_cache", "--socket-dir", str(sockdir), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def listening(proc: subprocess.Popen) -> str:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        found = re.search(r"listening on (http://\S+)", line)
+        if found:
+            return found.group(1)
+    raise AssertionError(
+        f"the server did not listen: {proc.wait(30)} {proc.stderr.read() if proc.stderr else ''}"
+    )
+
+
+def served_texts(url: str, model: str) -> list[str]:
+    out = []
+    for prompt in PROMPTS:
+        body = {
+            "model": Path(model).name,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        out.append(reply.json()["choices"][0]["text"])
+    return out
+
+
+def test_the_server_is_forked_by_the_zygote_and_answers_like_a_fresh_engine(
+    model, preloaded, fresh_texts, tmp_path
+):
+    trace = tmp_path / "trace.jsonl"
+    before = set(titled("ember-serve"))
+    proc = launch(model, preloaded, env={**os.environ, "EMBER_STARTUP_TRACE": str(trace)})
+    try:
+        url = listening(proc)
+        (server,) = set(titled("ember-serve")) - before
+        zygote_pid = parent(server)
+        assert comm(zygote_pid) == "ember-zygote"
+        assert _children(proc.pid) == []  # the launcher only stands in
+        assert "ember-core" not in [comm(p) for p in _children(server)]  # the core is forked too
+        (core,) = [p for p in _children(zygote_pid) if comm(p) == "ember-core"]
+        assert served_texts(url, model) == fresh_texts
+    finally:
+        proc.send_signal(signal.SIGTERM)  # relayed: the server drains and stops its core
+        code = proc.wait(60)
+    assert code == 0, proc.stderr.read() if proc.stderr else ""
+    assert eventually(lambda: alive(server) or alive(core), lambda up: not up, timeout=30) is False
+    phases = {(r["process"], r["phase"]) for r in map(json.loads, trace.read_text().splitlines())}
+    assert ("ember (launcher)", "fork the server from the zygote") in phases
+    assert ("ember serve", "tokenizer") not in phases  # the zygote built it before the launch
+
+
+def test_a_killed_launcher_takes_its_server_down(model, preloaded):
+    before = set(titled("ember-serve"))
+    proc = launch(model, preloaded)
+    listening(proc)
+    (server,) = set(titled("ember-serve")) - before
+    proc.kill()
+    proc.wait(10)
+    assert eventually(lambda: alive(server), lambda up: not up, timeout=60) is False
+
+
+def test_a_failing_server_exits_with_its_status_and_one_line(model, preloaded):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = launch(model, preloaded, "--port", str(port))
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert f"ember serve: error: cannot listen on 127.0.0.1:{port}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags", [["--no-serve-zygote"], ["--no-serve-zygote", "--no-worker-zygote"]])
+def test_without_the_zygote_the_server_runs_in_the_launcher(model, preloaded, flags):
+    """--no-serve-zygote: the launcher serves itself (its core still forked by the zygote);
+    --no-worker-zygote as well: every process is a fresh child, as without `ember preload`."""
+    before = set(titled("ember-serve"))
+    proc = launch(model, preloaded, *flags)
+    try:
+        url = listening(proc)
+        assert set(titled("ember-serve")) == before
+        children = [comm(p) for p in _children(proc.pid)]
+        assert children == (["ember-core"] if "--no-worker-zygote" in flags else [])
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "argv, forked",
+    [
+        (["serve", "m", "--load-format", "ipc_cache"], True),
+        (["serve", "m", "--load-format=ipc_cache"], True),
+        (["--log-level", "INFO", "serve", "--load-format", "ipc_cache"], True),
+        (["serve", "m"], False),
+        (["serve", "m", "--load-format", "auto"], False),
+        (["generate", "hi", "--load-format", "ipc_cache"], False),
+        (["serve", "m", "--load-format", "ipc_cache", "--no-serve-zygote"], False),
+        (["serve", "m", "--load-format", "ipc_cache", "--snapshot-park", "d"], False),
+        (["serve", "--load-format", "ipc_cache", "--help"], False),
+    ],
+)
+def test_which_commands_are_forked(argv, forked, tmp_path):
+    (tmp_path / "zygote.sock").touch()
+    assert (zygote_for([*argv, "--socket-dir", str(tmp_path)]) is not None) is forked
+    assert zygote_for(["serve", "--load-format", "ipc_cache", "--socket-dir", str(tmp_path / "none")]) is None
+    assert flag_value(["--a", "1", "--a=2"], "--a") == "2"
+
+
+@pytest.mark.unit
+def test_the_zygote_refuses_another_python_or_install():
+    import frontend
+
+    package = str(Path(frontend.__file__).parent)
+    mine = SpawnServe(argv=[], env={}, cwd="/", executable=sys.executable, package=package)
+    assert zygote.refusal(mine) is None
+    other_python = SpawnServe(argv=[], env={}, cwd="/", executable="/bin/sh", package=package)
+    assert "not /bin/sh" in (zygote.refusal(other_python) or "")
+    other_install = SpawnServe(argv=[], env={}, cwd="/", executable=sys.executable, package="/elsewhere")
+    assert "/elsewhere" in (zygote.refusal(other_install) or "")
+    assert "unknown role" in (zygote.refusal(SpawnWorker(argv=[], config=b"", role="x")) or "")
