@@ -46,7 +46,7 @@ def serve_from(zygote: Path, argv: list[str]) -> int | None:
     import frontend
     from coreproc.protocol import SpawnServe
     from coreproc.startup import trace
-    from coreproc.startup.spawn import fork_from
+    from coreproc.startup.spawn import code_stamp, fork_from
 
     trace.started(process="ember (launcher)")
     request = SpawnServe(
@@ -55,6 +55,7 @@ def serve_from(zygote: Path, argv: list[str]) -> int | None:
         cwd=os.getcwd(),
         executable=sys.executable,
         package=str(Path(frontend.__file__ or "").parent),
+        code=code_stamp(),
     )
     try:
         with trace.phase("fork the server from the zygote", "ember (launcher)"):

@@ -18,12 +18,14 @@ import sys
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from test_preload import _children, start_preload, stop
 
 from coreproc import LLM, SamplingParams
 from coreproc.protocol import SpawnServe, SpawnWorker
 from coreproc.startup import zygote
+from coreproc.startup.spawn import code_stamp
 from frontend.argv import flag_value
 from frontend.launch import zygote_for
 from tests.server_util import eventually
@@ -197,14 +199,18 @@ def test_which_commands_are_forked(argv, forked, tmp_path):
 
 
 @pytest.mark.unit
-def test_the_zygote_refuses_another_python_or_install():
+def test_the_zygote_refuses_another_python_install_or_code():
     import frontend
 
-    package = str(Path(frontend.__file__).parent)
-    mine = SpawnServe(argv=[], env={}, cwd="/", executable=sys.executable, package=package)
-    assert zygote.refusal(mine) is None
-    other_python = SpawnServe(argv=[], env={}, cwd="/", executable="/bin/sh", package=package)
-    assert "not /bin/sh" in (zygote.refusal(other_python) or "")
-    other_install = SpawnServe(argv=[], env={}, cwd="/", executable=sys.executable, package="/elsewhere")
-    assert "/elsewhere" in (zygote.refusal(other_install) or "")
-    assert "unknown role" in (zygote.refusal(SpawnWorker(argv=[], config=b"", role="x")) or "")
+    package, code = str(Path(frontend.__file__).parent), code_stamp()
+    mine = SpawnServe(argv=[], env={}, cwd="/", executable=sys.executable, package=package, code=code)
+    assert zygote.refusal(mine, code) is None
+    other_python = msgspec.structs.replace(mine, executable="/bin/sh")
+    assert "not /bin/sh" in (zygote.refusal(other_python, code) or "")
+    other_install = msgspec.structs.replace(mine, package="/elsewhere")
+    assert "/elsewhere" in (zygote.refusal(other_install, code) or "")
+    assert "code changed" in (zygote.refusal(mine, "0-1") or "")
+    worker = SpawnWorker(argv=[], config=b"", code=code)
+    assert zygote.refusal(worker, code) is None
+    assert "code changed" in (zygote.refusal(worker, "0-1") or "")
+    assert "unknown role" in (zygote.refusal(msgspec.structs.replace(worker, role="x"), code) or "")

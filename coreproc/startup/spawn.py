@@ -32,6 +32,18 @@ ZYGOTE_SOCKET = "zygote.sock"
 ENV_PREFIXES = ("EMBER_", "OMP_", "MKL_", "TORCH_", "TRITON_", "NCCL_", "MASTER_", "CUDA_")
 
 
+def code_stamp() -> str:
+    """Which Ember code is on disk: the newest modification time and the number of its Python files
+    (an upgrade or an edit changes it). A zygote forks only for requesters that see the code it
+    imported, so that `ember preload` started before an upgrade never serves the old code."""
+    root = Path(__file__).resolve().parents[2]  # the folder that holds the packages
+    newest, count = 0, 0
+    for package in ("frontend", "coreproc", "workers", "kernels"):
+        for path in (root / package).rglob("*.py"):
+            newest, count = max(newest, path.stat().st_mtime_ns), count + 1
+    return f"{newest}-{count}"
+
+
 def worker_env() -> dict[str, str]:
     """The environment of worker processes: this process's, with a short OpenMP spin.
 
@@ -152,7 +164,7 @@ def spawn_engine_process(
     zygote = zygote_socket(config)
     if zygote is not None:
         env = {k: v for k, v in worker_env().items() if k.startswith(ENV_PREFIXES)}
-        request = SpawnWorker(argv=argv, config=config_json, env=env, role=role)
+        request = SpawnWorker(argv=argv, config=config_json, env=env, role=role, code=code_stamp())
         try:
             return fork_from(zygote, request, [sys.stdout.fileno(), sys.stderr.fileno()])
         except (OSError, ConnectionError, RuntimeError) as e:

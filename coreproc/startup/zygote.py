@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from coreproc.protocol import ServeExit, SpawnReply, SpawnServe, ZygoteRequest
-from coreproc.startup.spawn import ENV_PREFIXES, ZYGOTE_SOCKET
+from coreproc.startup.spawn import ENV_PREFIXES, ZYGOTE_SOCKET, code_stamp
 from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
 
 log = logging.getLogger("ember.zygote")
@@ -138,8 +138,11 @@ def child(
         os._exit(code)
 
 
-def refusal(req: ZygoteRequest) -> str | None:
-    """Why this zygote cannot be `req`'s process (another Python or another Ember install), or None."""
+def refusal(req: ZygoteRequest, code: str) -> str | None:
+    """Why this zygote, which imported the Ember code stamped `code`, cannot be `req`'s process
+    (another Python, another Ember install, code changed since), or None."""
+    if req.code != code:
+        return "Ember's code changed since `ember preload` started (restart it to fork again)"
     if not isinstance(req, SpawnServe):
         return None if req.role in ROLE_MAINS else f"unknown role {req.role!r}"
     if os.path.realpath(req.executable) != os.path.realpath(sys.executable):
@@ -156,7 +159,7 @@ def reap(*_: object) -> None:
         pass
 
 
-def serve(socket_file: Path, lock: int, prepared: Prepared) -> None:
+def serve(socket_file: Path, lock: int, prepared: Prepared, code: str) -> None:
     if socket_file.exists():
         socket_file.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -176,7 +179,7 @@ def serve(socket_file: Path, lock: int, prepared: Prepared) -> None:
                 if peer_uid(conn) != os.getuid():
                     continue
                 req, fds = recv_msg(conn, ZygoteRequest)
-                why = refusal(req)
+                why = refusal(req, code)
                 if why is not None:
                     send_msg(conn, SpawnReply(error=why))
                     continue
@@ -211,12 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     except BlockingIOError:
         print(f"ember zygote: another zygote already serves {path}", flush=True)
         return 1
+    code = code_stamp()  # before the imports: what they read is at least this old
     gc.disable()
     preimport()
     prepared = Prepared(args.warm)
     gc.freeze()  # children share the imported heap: a collection in one of them leaves it unwritten
     gc.enable()
-    serve(path, lock, prepared)
+    serve(path, lock, prepared, code)
     return 0
 
 
