@@ -14,7 +14,6 @@ second). Type ids, names and block sizes are the `gguf` package's own.
 from __future__ import annotations
 
 import copy
-import functools
 import math
 import mmap
 import struct
@@ -187,20 +186,35 @@ class _Cursor:
         return [self.value(etype) for _ in range(count)]  # arrays of arrays
 
 
+SHARED_FILES = 4
+_shared: dict[tuple[str, int, int, int], GGUFFile] = {}  # this process's parsed files, oldest first
+
+
 def open_gguf(path: str | Path) -> GGUFFile:
     """The parsed GGUF file at `path`, shared within this process while the file stays the same (same
-    inode, size and modification time): stepping over a 150k-token vocabulary takes ~50 ms a parse."""
+    inode, size and modification time): stepping over a 150k-token vocabulary takes ~50 ms a parse.
+    The process keeps the last four opened (`_shared`)."""
     path = Path(path)
     try:
         st = path.stat()
     except OSError as e:
         raise ConfigError(f"cannot read GGUF file {path}: {e}") from None
-    return _open_shared(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _shared:
+        while len(_shared) >= SHARED_FILES:
+            _shared.pop(next(iter(_shared)))
+        _shared[key] = GGUFFile(key[0])
+    return _shared[key]
 
 
-@functools.lru_cache(maxsize=4)
-def _open_shared(path: str, inode: int, size: int, mtime_ns: int) -> GGUFFile:
-    return GGUFFile(path)
+def forget_gguf_files() -> None:
+    """Drop the files `open_gguf` shares, and their pages from this process's memory: a worker that
+    has packed the weights keeps only views of a few tensors (the embedding rows it looks up), which
+    fault their pages back in from the page cache when read; a preload daemon, none (the mapping
+    closes)."""
+    for gguf in _shared.values():
+        gguf.drop_pages()
+    _shared.clear()
 
 
 class GGUFFile:
@@ -276,6 +290,11 @@ class GGUFFile:
     def data(self, info: TensorInfo) -> memoryview:
         """A tensor's bytes, zero-copy from the map."""
         return memoryview(self._map)[info.offset : info.offset + info.nbytes]
+
+    def drop_pages(self) -> None:
+        """Unmap the file's pages from this process (they stay in the page cache; a view that reads
+        them later faults them back in): what packing read is no longer counted in its memory."""
+        self._map.madvise(mmap.MADV_DONTNEED)
 
     def sample(self, offset: int, size: int) -> bytes:
         return bytes(self._map[offset : offset + size])

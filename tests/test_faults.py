@@ -194,6 +194,7 @@ def test_a_frontend_gone_mid_load_takes_its_core_and_workers(make_ckpt, tmp_path
     target = next(p for p in descendants(daemon.pid) if "ember-preload-target" in cmdline(p))
     os.kill(target, signal.SIGSTOP)
     before = titled("ember-worker") | titled("ember-core")  # the preload's zygote forks both
+    proc = None
     try:
         cmd = [sys.executable, "-m", "frontend.cli", "serve", model, "--port", "0", "--dtype", "float32"]
         cmd += ["--load-format", "ipc_cache", "--socket-dir", str(sock)]
@@ -214,6 +215,9 @@ def test_a_frontend_gone_mid_load_takes_its_core_and_workers(make_ckpt, tmp_path
         print(f"frontend {sig.name} mid-load: core and worker gone after {took:.2f} s")
         assert not list(run.glob("ember-*")), "the core removes the runtime directory its launcher made"
     finally:
+        if proc is not None and proc.poll() is None:  # a failed check: the server must not outlive it
+            proc.kill()
+            proc.wait(10)
         os.kill(target, signal.SIGCONT)
         stop(daemon)
 

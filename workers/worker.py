@@ -28,7 +28,7 @@ from kernels.cpu_gemm import bf16_layout, claim_tiles, select_linear_kernel
 from kernels.native import use_native
 from workers.draft import DraftProposer
 from workers.kv_scales import calibrate_kv_scales, kv_cache_dtype
-from workers.loader import build_model
+from workers.loader import build_model, release_load_memory
 from workers.mm_inputs import EncoderCache
 from workers.model_runner import ModelRunner
 from workers.models.fused_decode import Forward, select_forward
@@ -144,6 +144,8 @@ class Worker:
         with trace.phase("load weights"):
             weights = self.load_weights(show_progress)
         draft = self.load_draft(show_progress)
+        if weights.source != "ipc_cache" or draft is not None:
+            release_load_memory()
         with trace.phase("pick kernels"):
             forward = self.pick_kernels(weights.model)
         lora = None

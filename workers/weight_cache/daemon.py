@@ -31,6 +31,7 @@ import zmq
 from coreproc.config import EngineConfig
 from coreproc.ipc import Codec
 from coreproc.protocol import CacheReply, CacheRequest, DaemonReady
+from workers.loader import release_load_memory
 from workers.weight_cache.arena import CpuArena, export_cuda, module_attrs, named_tensors, repoint
 from workers.weight_cache.channel import close_fds, peer_uid, recv_msg, send_msg
 from workers.weight_cache.fingerprint import (
@@ -95,6 +96,7 @@ class Daemon:
         self.model = model
         self.weight_bytes = sum(t.numel() * t.element_size() for _, _, t in entries)
         self.seconds = time.perf_counter() - start
+        release_load_memory(collect=True)  # its start-up time is not a restart's
 
     def listen(self) -> socket.socket:
         """Bind only now that the weights are ready; a leftover socket file is stale (we hold the lock)."""
