@@ -75,6 +75,7 @@ class Api:
         self.ctx: ServingContext | None = None
         self.stats: dict[int, SchedulerStats | str] = {}  # each core's (or why it is gone), every second
         self.stats_at = 0.0
+        self.warm_media = True  # a server parked for a snapshot starts its image processes after restore
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,7 +92,8 @@ class Api:
         media = None
         if info.image_token_id is not None:  # a multimodal model: its image processes start now
             media = MediaIntake.from_model(info.model, info.image_token_id, self.cfg.media)
-            media.warm()
+            if self.warm_media:
+                media.warm()
         loras = dict(info.loras)
         for name in sorted(self.accepted & set(loras)):
             log.warning(

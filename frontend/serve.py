@@ -274,7 +274,9 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # PID 1 of a namespace ignores unhandled signals
         loop.add_signal_handler(sig, stop.set)
-    async with app.state.api.lifespan(app):
+    api = app.state.api
+    api.warm_media = False  # image processes hold POSIX semaphores CRIU cannot dump: started once restored
+    async with api.lifespan(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://snapshot") as http:
             reply = await http.post("/v1/completions", json=canary_request())
@@ -291,6 +293,8 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
             await asyncio.sleep(HANDOFF_POLL_S)
         addr = json.loads(handoff.read_text())
         handoff.unlink(missing_ok=True)
+        if api.ctx is not None and api.ctx.media is not None:
+            api.ctx.media.warm()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         try:

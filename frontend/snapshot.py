@@ -49,6 +49,7 @@ from frontend.snapshot_manifest import (
 from frontend.snapshot_tools import (
     SnapshotTools,
     dump_problems,
+    keep_logs,
     kill_tree,
     ns_init,
     parse_serve_args,
@@ -186,12 +187,16 @@ def create(
         )
         write_manifest(root, manifest)
         return manifest
-    except BaseException:
+    except BaseException as e:
         if proc is not None:
             kill_tree(proc)
+        kept = keep_logs([layout.logs, layout.work])  # the error names them: they outlive the snapshot
         shutil.rmtree(root, ignore_errors=True)
         if layout.runtime_base != root / "run":
             shutil.rmtree(layout.runtime_base, ignore_errors=True)
+        if isinstance(e, SnapshotError) and kept is not None:
+            said = str(e).replace(str(layout.work), str(kept)).replace(str(layout.logs), str(kept))
+            raise SnapshotError(f"{said} (logs kept in {kept})" if said == str(e) else said) from None
         raise
 
 

@@ -201,3 +201,18 @@ def preflight(args: argparse.Namespace, tools: SnapshotTools) -> tuple[list[str]
             "does not drive; snapshots hold CPU engines"
         )
     return reasons, config
+
+
+def keep_logs(folders: list[Path]) -> Path | None:
+    """Copy the logs of a failed create (every file in `folders`) to a new folder under the temporary
+    directory, before the half-made snapshot is removed; that folder, or None if there was none."""
+    import tempfile
+
+    logs = [f for folder in folders if folder.is_dir() for f in folder.iterdir() if f.suffix == ".log"]
+    if not logs:
+        return None
+    kept = Path(tempfile.mkdtemp(prefix="ember-snapshot-failed-"))
+    for log in logs:
+        with contextlib.suppress(OSError):
+            shutil.copy2(log, kept / log.name)
+    return kept

@@ -270,6 +270,9 @@ def test_create_refusals_and_failed_create(tmp_path: Path, model: Path) -> None:
     done = ember("snapshot", "create", str(tmp_path / "b"), str(model), "--num-kv-blocks", "1")
     assert done.returncode == 2 and "before parking" in done.stderr
     assert not (tmp_path / "b").exists()
+    kept = re.search(r"logs kept in (\S+)\)", done.stderr)  # the half-made snapshot goes, its logs stay
+    assert kept and "KV cache holds 1 blocks" in (Path(kept.group(1)) / "serve.log").read_text()
+    shutil.rmtree(kept.group(1))
 
 
 def test_bench_restart_adds_a_snapshot_row(model: Path, tmp_path: Path) -> None:
@@ -354,3 +357,85 @@ def test_a_gguf_checkpoint_snapshots_and_restores(model: Path, tmp_path: Path, g
     _overwrite(gguf, start, bytes(64))
     done = ember("snapshot", "restore", str(root), "--port", "0")
     assert done.returncode == 2 and f"model: the content of {gguf.resolve()} changed" in done.stderr
+
+
+def _restore(root: Path) -> tuple[str, int]:
+    done = ember("snapshot", "restore", str(root), "--port", "0")
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"listening on (http://\S+) \(pid (\d+)\); canary token \d+ .* matches", done.stdout)
+    assert found, done.stdout
+    return found.group(1), int(found.group(2))
+
+
+def _answers(url: str, bodies: list[dict]) -> list[str]:
+    out = []
+    for body in bodies:
+        route = "chat/completions" if "messages" in body else "completions"
+        reply = httpx.post(f"{url}/v1/{route}", json={**body, "temperature": 0, "max_tokens": 8}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        out.append(choice["message"]["content"] if "messages" in body else choice["text"])
+    return out
+
+
+def _same_as_a_fresh_server(root: Path, serve: list[str], bodies: list[dict]) -> list[str]:
+    """The restored snapshot's answers, checked equal to those of `ember serve SERVE` started fresh."""
+    from tests.server_util import start_server, stop_server
+
+    url, pid = _restore(root)
+    try:
+        restored = _answers(url, bodies)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    proc, fresh_url = start_server(*serve)
+    try:
+        assert restored == _answers(fresh_url, bodies)
+    finally:
+        stop_server(proc)
+    return restored
+
+
+def test_a_vision_model_snapshots_and_answers_images_once_restored(tmp_path: Path) -> None:
+    """A LLaVA server parks without its image processes (their POSIX semaphores cannot be dumped) and
+    starts them once restored: an image request then gets what a fresh server answers."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from frontend.make_model import main as make_model
+
+    llava = tmp_path / "llava"
+    assert make_model([str(llava), "--arch", "llava"]) == 0
+    root = tmp_path / "snap"
+    serve = [str(llava), "--max-model-len", "512", "--served-model-name", "llama"]
+    done = ember("snapshot", "create", str(root), "--", *serve, "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    picture = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 30, 90)).save(picture, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(picture.getvalue()).decode()
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    bodies = [{"model": "llama", "messages": [{"role": "user", "content": content}]}]
+    _same_as_a_fresh_server(root, serve, bodies)
+
+
+def test_a_lora_engine_snapshots_with_its_adapters(model: Path, tmp_path: Path) -> None:
+    """--enable-lora with --lora-modules: the manifest records the adapter, the restored server answers
+    for it as a fresh one does (and unlike the base model); a changed adapter is refused."""
+    from tests.test_lora import ATTENTION, make_adapter
+
+    adapter = make_adapter(model, tmp_path / "a", 4, ATTENTION, seed=3)
+    flags = ["--max-model-len", "256", "--enable-lora", "--lora-modules", f"a={adapter}"]
+    root = tmp_path / "snap"
+    done = ember("snapshot", "create", str(root), "--", str(model), "--dtype", "float32", *flags)
+    assert done.returncode == 0, done.stderr
+    assert list(json.loads(ember("snapshot", "inspect", str(root)).stdout)["adapters"]) == ["a"]
+    bodies = [{"model": name, "prompt": p} for name in ("a", "llama") for p in PROMPTS]
+    with_a, base = _same_as_a_fresh_server(
+        root, [str(model), *flags, "--served-model-name", "llama"], bodies
+    )[::2]
+    assert with_a != base
+    weights = next(adapter.glob("*.safetensors"))
+    _overwrite(weights, weights.stat().st_size - 64, bytes(64))
+    done = ember("snapshot", "restore", str(root), "--port", "0")
+    assert done.returncode == 2 and "changed" in done.stderr, done.stderr

@@ -168,6 +168,34 @@ def llamacpp_build(work_dir: Path, install: bool, jobs: int) -> tuple[Path, Path
     return binary, src
 
 
+def llamacpp_server(work_dir: Path, install: bool, jobs: int) -> Path:
+    """The `llama-server` binary of the same llama.cpp build (for start-up comparisons: launch to a
+    served token over HTTP), configured into the build folder and built if needed."""
+    _, src = llamacpp_build(work_dir, install, jobs)
+    _, _, build = llamacpp_paths(work_dir)
+    binary = build / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    if not install:
+        raise PeerError("llama-server not built (--no-install)")
+    log_file, prefix = work_dir / "llamacpp" / "install.log", "not installed: "
+    run_step(
+        "cmake configure llama.cpp with its server",
+        ["cmake", "-S", str(src), "-B", str(build), "-DLLAMA_BUILD_SERVER=ON"],
+        log_file,
+        prefix,
+    )
+    run_step(
+        "cmake build llama-server",
+        ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+        log_file,
+        prefix,
+    )
+    if not binary.is_file():
+        raise PeerError(f"{prefix}build finished but {binary} is missing")
+    return binary
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
