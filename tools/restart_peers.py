@@ -7,7 +7,7 @@ first use), the same definition: launch to /health 200, then one token from /com
 settings but the threads. Best of --runs each, one engine after the other. For a Hugging Face folder
 give llama.cpp's file with --gguf.
 
-    python -m tools.restart_peers Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf --runs 3 [--snapshot]
+    python -m tools.restart_peers Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf --runs 3 [--snapshot] [-- FLAGS]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from frontend.bench.restart import wait_healthy
 from tools.peers.install import PeerError, llamacpp_server
 
 
@@ -40,15 +41,7 @@ def llamacpp_start(binary: Path, gguf: str, threads: int, timeout: float = 600.0
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(timeout=60) as http:
-            while True:
-                try:
-                    if http.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.perf_counter() - start > timeout:
-                    raise RuntimeError(f"llama-server did not become healthy (exit {proc.poll()})")
-                time.sleep(0.01)
+            wait_healthy(http, url, start + timeout, proc)
             healthy = time.perf_counter() - start
             body = {"prompt": "def", "n_predict": 1, "temperature": 0}
             http.post(f"{url}/completion", json=body).raise_for_status()
@@ -69,12 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--snapshot", action="store_true", help="also time Ember's snapshot restore (CRIU)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "ember-peers"))
-    p.add_argument("ember_args", nargs=argparse.REMAINDER, help="after --: more `ember bench restart` flags")
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []  # after --: more `ember bench restart` flags
+    args = p.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
     gguf = args.gguf or (args.model if args.model.endswith(".gguf") else None)
     if gguf is None:
         p.error("a Hugging Face folder needs --gguf (llama.cpp's file of the same model)")
-    extra = [a for a in args.ember_args if a != "--"]
     mode = ["--mode", "snapshot"] if args.snapshot else []
     cmd = [sys.executable, "-m", "frontend.launch", "bench", "restart", args.model, "--runs", str(args.runs)]
     done = subprocess.run([*cmd, *mode, *extra], capture_output=True, text=True)

@@ -59,6 +59,22 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
+def wait_healthy(http: Any, url: str, deadline: float, proc: subprocess.Popen) -> None:
+    """Poll `url`/health every 10 ms until 200; RuntimeError once `deadline` (perf_counter) passes or
+    the server exits."""
+    import httpx
+
+    while True:
+        try:
+            if http.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.perf_counter() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"the server did not become healthy (exit status {proc.poll()})")
+        time.sleep(0.01)
+
+
 def time_to_ready(
     cmd: list[str], timeout: float = 900.0, traced: StartTrace | None = None
 ) -> tuple[float, float, str]:
@@ -81,17 +97,8 @@ def time_to_ready(
             lines.append(line.strip())
             found = re.search(r"listening on (http://\S+)", line)
             url = found.group(1) if found else None
-        deadline = start + timeout
         with httpx.Client(timeout=60) as http:
-            while True:
-                try:
-                    if http.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.perf_counter() > deadline:
-                    raise RuntimeError("the server did not become healthy")
-                time.sleep(0.01)
+            wait_healthy(http, url, start + timeout, proc)
             healthy = time.perf_counter() - start
             body = {"prompt": "def", "max_tokens": 1, "temperature": 0}
             reply = http.post(f"{url}/v1/completions", json=body)
