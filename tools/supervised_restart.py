@@ -2,9 +2,10 @@
 
 Runs in its own process and plays systemd's `Restart=always`: it starts `ember serve MODEL ...`,
 restarts it whenever it exits, and measures, per round, (1) from SIGKILL of the `ember-core` process
-to the end of a running stream (its error event), (2) to the exit of `ember serve`, and (3) to
-`/health` answering 200 again from the restarted server. Run it with `--load-format ipc_cache` and
-an `ember preload MODEL` daemon running to measure the warm restart, and without them for the cold one.
+to the end of a running stream (its error event), (2) to the exit of `ember serve`, (3) to
+`/health` answering 200 again from the restarted server and (4) to its first served token. Run it
+with `--load-format ipc_cache` and an `ember preload MODEL` daemon running to measure the warm
+restart, and without them for the cold one.
 
     python -m tools.supervised_restart MODEL --rounds 3 [--serve-args --load-format ipc_cache]
 """
@@ -102,14 +103,19 @@ def one_round(
     exited = time.monotonic()
     proc = serve(model, port, extra)  # the supervisor's restart
     while not healthy(url):
-        time.sleep(0.05)
+        time.sleep(0.01)
     back = time.monotonic()
+    body = {"model": "m", "prompt": "def", "max_tokens": 1, "temperature": 0}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+    token = time.monotonic()
     reader.join(10)
     row = {
         "stream_error_s": round(ended[0] - killed, 2) if ended else None,
         "serve_exit_s": round(exited - killed, 2),
         "exit_code": code,
         "healthy_again_s": round(back - killed, 2),
+        "token_again_s": round(token - killed, 2),
+        "restart_to_token_s": round(token - exited, 2),
     }
     return row, proc
 
@@ -140,9 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(60)
     back = [r["healthy_again_s"] for r in rows]
+    token = [r["token_again_s"] for r in rows]
+    restart = [r["restart_to_token_s"] for r in rows]
     print(
-        f"summary: healthy again {statistics.median(back):.2f} s after SIGKILL of the core "
-        f"(median of {len(back)})"
+        f"summary: healthy again {statistics.median(back):.2f} s and a served token "
+        f"{statistics.median(token):.2f} s after SIGKILL of the core, of which the restart (launch to "
+        f"a token) {statistics.median(restart):.2f} s (medians of {len(back)})"
     )
     return 0
 
