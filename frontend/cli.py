@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from coreproc.config import ENGINE_SECTIONS, add_engine_arguments, engine_options
 from coreproc.errors import run_command
@@ -304,13 +304,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, tokenizers: Mapping[str, Any] | None = None) -> int:
-    """`ember ARGV`; `tokenizers`: ones already built, by path (a server forked by the preload zygote)."""
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
     args.argv = list(argv)  # `ember serve --api-server-count` starts its other API servers with it
-    args.tokenizers = dict(tokenizers or {})
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     debug = args.log_level.upper() == "DEBUG"

@@ -19,9 +19,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from frontend.argv import command_of, flag_value
 
@@ -69,9 +67,10 @@ def serve_from(zygote: Path, argv: list[str]) -> int | None:
     return code if code >= 0 else 1  # -1: it ended without a status (killed)
 
 
-def forked(argv: list[str], conn: socket.socket, tokenizers: Mapping[str, Any]) -> int:
-    """Runs in the zygote's child: `ember serve ARGV` with the zygote's prepared tokenizers; SIGTERM
-    to itself when the launcher's end of `conn` closes (the launcher was killed)."""
+def forked(argv: list[str], conn: socket.socket) -> int:
+    """Runs in the zygote's child: `ember serve ARGV` (its modules imported, the preloaded model's
+    tokenizer and GGUF header already in this process's caches); SIGTERM to itself when the
+    launcher's end of `conn` closes (the launcher was killed)."""
     from setproctitle import setproctitle
 
     from frontend.cli import main
@@ -88,7 +87,7 @@ def forked(argv: list[str], conn: socket.socket, tokenizers: Mapping[str, Any]) 
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="ember-launcher-watch", daemon=True).start()
-    return main(argv, tokenizers=tokenizers)
+    return main(argv)
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -96,19 +96,19 @@ def describe_engine(addresses: list[str]) -> str:
     )
 
 
-def prepare_http(tokenizer_dir: str, built: Mapping[str, Any] | None = None) -> tuple[Any, Any, Any]:
+def prepare_http(tokenizer_dir: str) -> tuple[Any, Any, Any]:
     """The HTTP stack's imports and the tokenizer (uvicorn, build_app, tokenizer): done while the
-    engine starts, they are off the time to ready. `built`: tokenizers already built, by path (the
-    preload zygote's)."""
+    engine starts, they are off the time to ready (a server forked by the preload zygote finds both
+    ready)."""
     with trace.phase("HTTP stack imports", FRONTEND):
         import uvicorn
 
         from frontend.api_server import build_app
-    if built and tokenizer_dir in built:
-        return uvicorn, build_app, built[tokenizer_dir]
-    with trace.phase("tokenizer", FRONTEND):
-        from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.text.tokenizer import load_tokenizer, tokenizer_built
 
+    if tokenizer_built(tokenizer_dir):
+        return uvicorn, build_app, load_tokenizer(tokenizer_dir)
+    with trace.phase("tokenizer", FRONTEND):
         return uvicorn, build_app, load_tokenizer(tokenizer_dir)
 
 
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         sock = bind(args.host, args.port, reuse_port=count > 1)
         host, port = sock.getsockname()[:2]
         with ThreadPoolExecutor(1) as pool:
-            prepared = pool.submit(prepare_http, config.model.tokenizer, getattr(args, "tokenizers", None))
+            prepared = pool.submit(prepare_http, config.model.tokenizer)
             with trace.phase("start the engine cores", FRONTEND):
                 group = CoreGroup(config, shutdown_timeout=args.shutdown_timeout)
             with group as cores:
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                     server = _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout)
                     watch = EngineWatch(server, app, cores)
                     watch.start()
-                    with stop_signals_end_serving():
+                    with stop_signals_end_serving(server):
                         server.run(sockets=[sock])
                     dead = watch.dead
                 finally:
@@ -201,19 +201,21 @@ def run_child(args: argparse.Namespace, config: EngineConfig, spec: dict[str, An
     uvicorn, build_app, tokenizer = prepare_http(config.model.tokenizer)
     app = build_app(spec["addresses"], config.model.model, cfg, tokenizer, api_server=spec["index"])
     print(f"ember serve: API server {spec['index']} listening", flush=True)
-    with stop_signals_end_serving():
-        _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout).run(sockets=[sock])
+    server = _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout)
+    with stop_signals_end_serving(server):
+        server.run(sockets=[sock])
     return 0
 
 
 @contextlib.contextmanager
-def stop_signals_end_serving() -> Iterator[None]:
+def stop_signals_end_serving(server: Any) -> Iterator[None]:
     """uvicorn drains on SIGTERM / SIGINT and then raises the signal again for the handler it found;
     the default one would end the process there, before its `finally` blocks stop the API server
     children and the engine cores (which then log that their launcher is gone). Inside, that handler
-    does nothing, so serving returns and the shutdown goes on in order."""
+    only tells `server` to exit: a signal that comes before uvicorn has put its own handlers in place
+    (while it starts) still ends the serving, and one raised again after it changes nothing."""
     stops = (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in stops}
+    previous = {sig: signal.signal(sig, lambda *_: setattr(server, "should_exit", True)) for sig in stops}
     try:
         yield
     finally:
@@ -317,6 +319,6 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
             f"listening on http://{host}:{port}",
             flush=True,
         )
-        with stop_signals_end_serving():
+        with stop_signals_end_serving(server):
             await server.serve(sockets=[sock])
     return 0

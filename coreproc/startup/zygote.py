@@ -58,21 +58,19 @@ SERVE_ENTRY = ("frontend.launch", "forked")
 ROLE_MAINS = {"worker": "workers.worker_proc", "core": "coreproc.core_proc"}
 
 
-class Prepared:
-    """What every child inherits ready-made: the preloaded models' tokenizers, by path."""
+def prepare(warm: list[str]) -> None:
+    """Fill this process's caches, which every child inherits: the preloaded models' tokenizers and
+    GGUF headers (coreproc.text.tokenizer and coreproc.gguf_file share them within a process)."""
+    from coreproc.gguf_file import is_gguf, open_gguf
+    from coreproc.text.tokenizer import load_tokenizer
 
-    def __init__(self, warm: list[str]) -> None:
-        from coreproc.gguf_file import is_gguf, open_gguf
-        from coreproc.text.tokenizer import load_tokenizer
-
-        self.tokenizers: dict[str, Any] = {}
-        for path in warm:
-            try:
-                if is_gguf(path):
-                    open_gguf(path)  # the header, parsed once (shared by the children's configs)
-                self.tokenizers[path] = load_tokenizer(path)
-            except (OSError, ValueError) as e:  # the server then builds it itself, as without a zygote
-                log.warning("cannot prepare the tokenizer of %s: %s", path, e)
+    for path in warm:
+        try:
+            if is_gguf(path):
+                open_gguf(path)
+            load_tokenizer(path)
+        except (OSError, ValueError) as e:  # the server then builds it itself, as without a zygote
+            log.warning("cannot prepare the tokenizer of %s: %s", path, e)
 
 
 def preimport() -> None:
@@ -89,9 +87,7 @@ def take_environment(env: dict[str, str], whole: bool) -> None:
     os.environ.update(env)
 
 
-def child(
-    req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list[int], prepared: Prepared
-) -> None:
+def child(req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list[int]) -> None:
     """Runs in the forked process: become the requested process (never returns)."""
     for fd in closing:  # the listener and the zygote's lock: a child must not hold them
         os.close(fd)
@@ -112,7 +108,7 @@ def child(
         os.chdir(req.cwd)
         module, name = SERVE_ENTRY
         forked = getattr(importlib.import_module(module), name)
-        main = lambda: forked(req.argv, conn, prepared.tokenizers)  # noqa: E731
+        main = lambda: forked(req.argv, conn)  # noqa: E731
     else:
         sys.stdin = open(os.devnull)
         role_main = importlib.import_module(ROLE_MAINS[req.role]).main
@@ -159,7 +155,7 @@ def reap(*_: object) -> None:
         pass
 
 
-def serve(socket_file: Path, lock: int, prepared: Prepared, code: str) -> None:
+def serve(socket_file: Path, lock: int, code: str) -> None:
     if socket_file.exists():
         socket_file.unlink()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -185,7 +181,7 @@ def serve(socket_file: Path, lock: int, prepared: Prepared, code: str) -> None:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    child(req, fds, conn, [listener.fileno(), lock], prepared)
+                    child(req, fds, conn, [listener.fileno(), lock])
                 send_msg(conn, SpawnReply(pid=pid))
             except Exception as e:  # a bad request never takes the zygote down
                 log.warning("spawn failed: %s", e)
@@ -217,10 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     code = code_stamp()  # before the imports: what they read is at least this old
     gc.disable()
     preimport()
-    prepared = Prepared(args.warm)
+    prepare(args.warm)
     gc.freeze()  # children share the imported heap: a collection in one of them leaves it unwritten
     gc.enable()
-    serve(path, lock, prepared, code)
+    serve(path, lock, code)
     return 0
 
 
