@@ -160,6 +160,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 CORE_EXIT_WAIT_S = 10.0
+WATCH_POLL_S = 0.05  # a supervisor's restart starts this much sooner after the last core is gone
 
 
 class EngineWatch(threading.Thread):
@@ -187,7 +188,7 @@ class EngineWatch(threading.Thread):
                     if core.alive():  # stopped or wedged: it will not exit by itself
                         core.proc.kill()
                 return
-            time.sleep(0.2)
+            time.sleep(WATCH_POLL_S)
 
 
 def run_child(args: argparse.Namespace, config: EngineConfig, spec: dict[str, Any]) -> int:
