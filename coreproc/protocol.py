@@ -552,6 +552,7 @@ class SpawnWorker(msgspec.Struct, kw_only=True, tag=True):
     env: dict[str, str] = {}
     role: str = "worker"
     code: str = ""  # spawn.code_stamp() of the requester: the zygote refuses other code
+    affinity: list[int] = []  # the requester's CPUs (taskset): the child runs on them
 
 
 class SpawnServe(msgspec.Struct, kw_only=True, tag=True):
@@ -566,6 +567,7 @@ class SpawnServe(msgspec.Struct, kw_only=True, tag=True):
     executable: str
     package: str
     code: str
+    affinity: list[int] = []  # the launcher's CPUs (taskset): the server runs on them
 
 
 class SpawnReply(msgspec.Struct, kw_only=True):

@@ -54,6 +54,7 @@ def serve_from(zygote: Path, argv: list[str]) -> int | None:
         executable=sys.executable,
         package=str(Path(frontend.__file__ or "").parent),
         code=code_stamp(),
+        affinity=sorted(os.sched_getaffinity(0)),
     )
     try:
         with trace.phase("fork the server from the zygote", "ember (launcher)"):

@@ -71,7 +71,7 @@ class ServerConfig:
     serve_zygote: bool = option(
         "with --load-format ipc_cache, run the server as a fork of `ember preload`'s zygote (its imports "
         "and the preloaded model's tokenizer ready): the fastest warm restart; the server then lives in "
-        "the preload's cgroup and limits",
+        "the preload's cgroup and limits (on the launcher's CPUs)",
         True,
     )
     features: ChatFeatures = field(default_factory=ChatFeatures)  # the `openai` flags

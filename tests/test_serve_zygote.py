@@ -137,6 +137,32 @@ def test_the_server_is_forked_by_the_zygote_and_answers_like_a_fresh_engine(
     assert ("ember serve", "tokenizer") not in phases  # the zygote built it before the launch
 
 
+def cpus(pid: int) -> str:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list"))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to restrict to one")
+def test_the_forked_processes_run_on_the_launchers_cpus(model, preloaded):
+    """`taskset -c N ember serve ...`: the server, its core and its worker, all forked by the zygote,
+    run on CPU N as a server started by the launcher itself would."""
+    first = min(os.sched_getaffinity(0))
+    before = set(titled("ember-serve"))
+    cmd = [sys.executable, "-m", "frontend.launch", "serve", model, "--dtype", "float32", "--port", "0"]
+    cmd += ["--load-format", "ipc_cache", "--socket-dir", str(preloaded)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.sched_setaffinity(0, {first})
+    )
+    try:
+        listening(proc)
+        (server,) = set(titled("ember-serve")) - before
+        forked = [p for p in _children(parent(server)) if comm(p) in ("ember-core", "ember-worker-0")]
+        assert len(forked) == 2 and {cpus(p) for p in [server, *forked]} == {str(first)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
 def test_a_killed_launcher_takes_its_server_down(model, preloaded):
     before = set(titled("ember-serve"))
     proc = launch(model, preloaded)

@@ -164,7 +164,10 @@ def spawn_engine_process(
     zygote = zygote_socket(config)
     if zygote is not None:
         env = {k: v for k, v in worker_env().items() if k.startswith(ENV_PREFIXES)}
-        request = SpawnWorker(argv=argv, config=config_json, env=env, role=role, code=code_stamp())
+        affinity = sorted(os.sched_getaffinity(0))
+        request = SpawnWorker(
+            argv=argv, config=config_json, env=env, role=role, code=code_stamp(), affinity=affinity
+        )
         try:
             return fork_from(zygote, request, [sys.stdout.fileno(), sys.stderr.fileno()])
         except (OSError, ConnectionError, RuntimeError) as e:

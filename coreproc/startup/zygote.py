@@ -103,6 +103,11 @@ def child(req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     take_environment(req.env, whole=isinstance(req, SpawnServe))
+    if req.affinity:  # the requester's CPUs (taskset), where the zygote's cgroup allows them
+        try:
+            os.sched_setaffinity(0, req.affinity)
+        except OSError as e:
+            log.warning("cannot run on the requester's CPUs %s: %s", req.affinity, e)
     main: Callable[[], Any]
     if isinstance(req, SpawnServe):
         os.chdir(req.cwd)
