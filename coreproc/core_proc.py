@@ -53,7 +53,7 @@ from coreproc.protocol import (
     UtilityResult,
 )
 from coreproc.ray_executor import RayExecutor
-from coreproc.startup import boot, trace
+from coreproc.startup import boot, standby, trace
 from coreproc.startup.orphan import LauncherWatch, exited, watch_pid
 
 log = logging.getLogger("ember.core")
@@ -416,6 +416,7 @@ def run_core_process(
             report.send_multipart(codec.encode(CoreReady(error=error, user_error=user)))
             report.close()
         return 1
+    standby.discard()  # a worker started early that this engine did not take
     boot.settle()
     if report is not None:
         report.send_multipart(codec.encode(CoreReady(address=server.address)))

@@ -124,9 +124,12 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from coreproc.config import EngineConfig
+    from coreproc.startup import trace
     from frontend import serve
 
-    return serve.run(args, EngineConfig.create(**engine_options(args)))
+    with trace.phase("the engine config", serve.FRONTEND):  # a folder's tokenizer built here too
+        config = EngineConfig.create(**engine_options(args))
+    return serve.run(args, config)
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:

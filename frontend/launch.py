@@ -9,7 +9,8 @@ SIGQUIT are passed on, and its exit status is the server's. A server whose launc
 stops as on SIGTERM. The server is then a child of the zygote: its resource limits and cgroup are the
 preload's. `--no-serve-zygote` (or no zygote, or one running another Python or Ember install) starts
 the server in this process as before; so do `python -m frontend.cli serve`, parked snapshots and the
-extra API servers.
+extra API servers. Otherwise `ember serve` starts its core on standby before anything else
+(coreproc.startup.standby), so that the core's imports overlap this process's.
 """
 
 from __future__ import annotations
@@ -99,9 +100,22 @@ def main() -> int:
         code = serve_from(zygote, argv)
         if code is not None:
             return code
+    if starts_a_core(argv):  # it imports while this process imports and reads the model's config
+        from coreproc.startup import standby
+        from coreproc.startup.spawn import worker_env
+
+        standby.start("core", env=worker_env())
     from frontend.cli import main as cli_main
 
     return cli_main(argv)
+
+
+def starts_a_core(argv: list[str]) -> bool:
+    """Whether `ember ARGV` starts an engine core process (a server's own, not one forked by the
+    zygote)."""
+    if command_of(argv) != "serve":
+        return False
+    return not any(arg.split("=", 1)[0] in ("-h", "--help", "--api-server-child") for arg in argv)
 
 
 if __name__ == "__main__":

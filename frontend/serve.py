@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from coreproc.errors import EmberError
 from coreproc.model_config import MODEL_HELP
-from coreproc.startup import trace
+from coreproc.startup import standby, trace
 from frontend.api_servers import (
     CHILD_FLAG,
     exit_with_parent,
@@ -132,6 +132,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
             prepared = pool.submit(prepare_http, config.model.tokenizer)
             with trace.phase("start the engine cores", FRONTEND):
                 group = CoreGroup(config, shutdown_timeout=args.shutdown_timeout)
+            standby.discard()  # a core started early that this launch did not take
             with group as cores:
                 uvicorn, build_app, tokenizer = prepared.result()
                 print(describe_engine(cores.addresses), flush=True)
@@ -144,11 +145,11 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
                     if warning:
                         print(warning, file=sys.stderr, flush=True)
                     scheme = "https" if cfg.tls else "http"
-                    print(f"ember serve: listening on {scheme}://{host}:{port}{servers}", flush=True)
                     server = _uvicorn_server(uvicorn, app, cfg, args.shutdown_timeout)
                     watch = EngineWatch(server, app, cores)
                     watch.start()
-                    with stop_signals_end_serving(server):
+                    with stop_signals_end_serving(server):  # from the line a supervisor waits for
+                        print(f"ember serve: listening on {scheme}://{host}:{port}{servers}", flush=True)
                         server.run(sockets=[sock])
                     dead = watch.dead
                 finally:

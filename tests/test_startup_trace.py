@@ -10,6 +10,10 @@ Run: `pytest -q tests/test_startup_trace.py`.
 from __future__ import annotations
 
 import os
+import re
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,6 +22,7 @@ from server_util import start_server, stop_server
 
 from coreproc.startup import trace
 from frontend.bench import restart_trace
+from tests.server_util import eventually
 
 
 @pytest.mark.unit
@@ -53,7 +58,7 @@ def test_a_served_start_records_every_process_in_order(make_ckpt, tmp_path: Path
     by = {(r["process"], r["phase"]): r for r in lines}
     for process, phase in [
         ("ember serve", "interpreter and imports"),
-        ("ember serve", "tokenizer"),
+        ("ember serve", "the engine config"),
         ("ember serve", "build the app"),
         ("ember-core", "interpreter and imports"),
         ("ember-worker-0", "interpreter and imports"),
@@ -70,3 +75,53 @@ def test_a_served_start_records_every_process_in_order(make_ckpt, tmp_path: Path
     table = restart_trace.table("warm", start).splitlines()
     assert table[0].startswith("breakdown of the warm start: ") and len(table) == 2 + len(lines)
     assert all(r["phase"] in row for r, row in zip(lines, table[2:]))
+
+
+def standbys() -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"ember-standby-"):
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.add(int(entry.name))
+        except OSError:
+            pass
+    return found
+
+
+def launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`ember ARGV` as the console script runs it."""
+    cmd = [sys.executable, "-m", "frontend.launch", *argv]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.e2e
+def test_a_cold_start_takes_its_core_and_worker_from_standby(make_ckpt, tmp_path: Path) -> None:
+    """`ember serve` starts its core on standby before its own imports, the core its worker: both are
+    taken (their imports are recorded on standby, their start after), none is left waiting."""
+    path = tmp_path / "trace.jsonl"
+    before = standbys()
+    proc = launch("serve", str(make_ckpt("llama")), "--port", "0", env={**os.environ, trace.ENV: str(path)})
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if re.search(r"listening on http", line):
+            break
+    assert eventually(lambda: standbys() - before, lambda left: not left) == set()
+    proc.send_signal(2)
+    assert proc.wait(60) == 0
+    by = {(r["process"], r["phase"]): r for r in trace.read(path)}
+    for role, process in (("core", "ember-core"), ("worker", "ember-worker-0")):
+        standby = by[(f"ember-{role} (standby)", "interpreter and imports, on standby")]
+        assert by[(process, "interpreter and imports")]["pid"] == standby["pid"]  # the same process
+
+
+@pytest.mark.e2e
+def test_a_failed_start_leaves_no_standby(make_ckpt) -> None:
+    before = standbys()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        proc = launch("serve", str(make_ckpt("llama")), "--port", str(taken.getsockname()[1]))
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "cannot listen" in err
+    assert eventually(lambda: standbys() - before, lambda left: not left) == set()

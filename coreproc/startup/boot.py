@@ -14,6 +14,8 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,14 +52,33 @@ ROLES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m coreproc.startup.boot core|worker ARGS`: the role's `main(ARGS)`, collector off."""
+    """`python -m coreproc.startup.boot core|worker ARGS`: the role's `main(ARGS)`, collector off.
+    `ARGS` = `--standby`: import the role's modules, then wait for the command line and config
+    (coreproc.startup.standby); a core on standby starts its first worker on standby first."""
     argv = sys.argv[1:] if argv is None else argv
     role, rest = (argv[0], argv[1:]) if argv else ("", [])
     if role not in ROLES:
         print("usage: python -m coreproc.startup.boot core|worker ARGS", file=sys.stderr)
         return 2
     gc.disable()  # the role's process calls settle() once its engine or model is up
-    status = importlib.import_module(ROLES[role]).main(rest)
+    if rest != ["--standby"]:
+        status = importlib.import_module(ROLES[role]).main(rest)
+        return status if isinstance(status, int) else 0
+    from setproctitle import setproctitle
+
+    from coreproc.startup import standby, trace
+
+    setproctitle(f"ember-standby-{role}")  # also before the environment is replaced, which it needs
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C while it waits is its launcher's to handle
+    if role == "core":
+        from coreproc.host import worker_openmp_env
+
+        standby.start("worker", env=worker_openmp_env(dict(os.environ)))
+    module = importlib.import_module(ROLES[role])
+    trace.started("interpreter and imports, on standby", process=f"ember-{role} (standby)")
+    rest, config_json = standby.wait_for_role()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    status = module.main(rest, config_json=config_json)
     return status if isinstance(status, int) else 0
 
 

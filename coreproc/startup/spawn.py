@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coreproc.protocol import ServeExit, SpawnReply, SpawnWorker, ZygoteRequest
+from coreproc.startup import standby
 from workers.weight_cache.channel import default_socket_dir, peer_creds, recv_msg, send_msg
 
 if TYPE_CHECKING:  # imported by `ember serve`'s launcher, which stays light
@@ -159,8 +160,9 @@ def spawn_engine_process(
     config: EngineConfig, role: str, argv: list[str], config_json: bytes
 ) -> subprocess.Popen | ForkedProcess:
     """A `role` ("core" or "worker") process running its main with `argv` and the config on stdin:
-    forked by the preload zygote when there is one (see `zygote_socket`), else a fresh interpreter
-    (`python -m coreproc.startup.boot ROLE`, collector off)."""
+    forked by the preload zygote when there is one (see `zygote_socket`), else the one this process
+    started on standby (coreproc.startup.standby), else a fresh interpreter (`python -m
+    coreproc.startup.boot ROLE`, collector off)."""
     zygote = zygote_socket(config)
     if zygote is not None:
         env = {k: v for k, v in worker_env().items() if k.startswith(ENV_PREFIXES)}
@@ -172,6 +174,9 @@ def spawn_engine_process(
             return fork_from(zygote, request, [sys.stdout.fileno(), sys.stderr.fileno()])
         except (OSError, ConnectionError, RuntimeError) as e:
             log.warning("the zygote at %s failed (%s); starting a fresh %s process", zygote, e, role)
+    waiting = standby.take(role, argv, config_json, worker_env())
+    if waiting is not None:
+        return waiting
     proc = subprocess.Popen(
         [sys.executable, "-m", "coreproc.startup.boot", role, *argv],
         stdin=subprocess.PIPE,

@@ -23,9 +23,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from coreproc.protocol import ServeExit, SpawnReply, SpawnServe, ZygoteRequest
 from coreproc.startup.spawn import ENV_PREFIXES, ZYGOTE_SOCKET, code_stamp
@@ -88,7 +86,35 @@ def take_environment(env: dict[str, str], whole: bool) -> None:
 
 
 def child(req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list[int]) -> None:
-    """Runs in the forked process: become the requested process (never returns)."""
+    """Runs in the forked process: become the requested process; never returns (whatever happens, the
+    exit status goes to the requester and the process ends here, never back in the zygote's loop)."""
+    code = 1
+    try:
+        code = become(req, fds, conn, closing)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # what a fresh interpreter would print before exiting 1
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        try:
+            send_msg(conn, ServeExit(code=code))
+        except OSError:
+            pass
+        os._exit(code)
+
+
+def become(req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list[int]) -> int:
+    """Take the requester's streams, signals' defaults, environment and CPUs, then run the process's
+    main; its exit status."""
     for fd in closing:  # the listener and the zygote's lock: a child must not hold them
         os.close(fd)
     targets = (0, 1, 2) if isinstance(req, SpawnServe) else (1, 2)
@@ -108,35 +134,14 @@ def child(req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list
             os.sched_setaffinity(0, req.affinity)
         except OSError as e:
             log.warning("cannot run on the requester's CPUs %s: %s", req.affinity, e)
-    main: Callable[[], Any]
     if isinstance(req, SpawnServe):
         os.chdir(req.cwd)
         module, name = SERVE_ENTRY
-        forked = getattr(importlib.import_module(module), name)
-        main = lambda: forked(req.argv, conn)  # noqa: E731
+        status = getattr(importlib.import_module(module), name)(req.argv, conn)
     else:
         sys.stdin = open(os.devnull)
-        role_main = importlib.import_module(ROLE_MAINS[req.role]).main
-        main = lambda: role_main(req.argv, config_json=req.config)  # noqa: E731
-    code = 1
-    try:
-        status = main()
-        code = status if isinstance(status, int) else 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        try:
-            send_msg(conn, ServeExit(code=code))
-        except OSError:
-            pass
-        os._exit(code)
+        status = importlib.import_module(ROLE_MAINS[req.role]).main(req.argv, config_json=req.config)
+    return status if isinstance(status, int) else 0
 
 
 def refusal(req: ZygoteRequest, code: str) -> str | None:
