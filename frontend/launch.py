@@ -6,11 +6,12 @@ import its HTTP stack and tokenizer itself: it asks the zygote, which has them i
 preloaded model's tokenizer built, to fork the server with this command line, environment, working
 directory and standard streams (`SpawnServe`), then stands in for it: SIGINT, SIGTERM, SIGHUP and
 SIGQUIT are passed on, and its exit status is the server's. A server whose launcher is gone (killed)
-stops as on SIGTERM. The server is then a child of the zygote: its resource limits and cgroup are the
-preload's. `--no-serve-zygote` (or no zygote, or one running another Python or Ember install) starts
-the server in this process as before; so do `python -m frontend.cli serve`, parked snapshots and the
-extra API servers. Otherwise `ember serve` starts its core on standby before anything else
-(coreproc.startup.standby), so that the core's imports overlap this process's.
+stops as on SIGTERM. The server is then a child of the zygote: it runs on this process's CPUs, but
+its resource limits and cgroup are the preload's. `--no-serve-zygote` (or no zygote, or one running
+another Python, Ember install or code) starts the server in this process as before; so do `python -m
+frontend.cli serve`, parked snapshots and the extra API servers. Otherwise `ember serve` starts its
+core on standby before anything else (coreproc.startup.standby), so that the core's imports overlap
+this process's.
 """
 
 from __future__ import annotations

@@ -19,5 +19,6 @@ core or worker interpreter: it turns the garbage collector off before the heavy 
 `main` calls `boot.settle()` once its engine or model is up. Until then `orphan.LauncherWatch` ends a
 core or worker whose launcher is gone (after that, their serving loops watch it). Modules here import
 no frontend code;
-`boot` imports nothing of Ember (it names the role modules as strings) so every layer may use it.
+`boot` imports only the shared base (it names the role modules as strings) so every layer may use
+it; `standby` starts a cold start's core and first worker before their command lines are known.
 """
