@@ -26,10 +26,10 @@ class LauncherWatch:
     def __init__(self, pid: int, name: str, on_gone: Callable[[], None] | None = None) -> None:
         """`on_gone`: what the launcher would have cleaned up, done before this process ends."""
         self.name, self.on_gone = name, on_gone
-        try:
-            self.fd = os.pidfd_open(pid)
-        except ProcessLookupError:
+        fd = watch_pid(pid)
+        if fd is None:
             self._gone()
+        self.fd = fd
         self.wake_r, self.wake_w = os.pipe()
         threading.Thread(target=self._watch, name="ember-launcher-watch", daemon=True).start()
 

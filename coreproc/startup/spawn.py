@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from coreproc.protocol import ServeExit, SpawnReply, SpawnWorker, ZygoteRequest
 from coreproc.startup import standby
+from coreproc.startup.orphan import exited
 from workers.weight_cache.channel import default_socket_dir, peer_creds, recv_msg, send_msg
 
 if TYPE_CHECKING:  # imported by `ember serve`'s launcher, which stays light
@@ -70,7 +71,7 @@ class ForkedProcess:
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and select.select([self.fd], [], [], 0)[0]:
+        if self.returncode is None and exited(self.fd):
             self.returncode = self._reported()
             os.close(self.fd)
         return self.returncode
