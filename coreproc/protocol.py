@@ -581,7 +581,31 @@ class ServeExit(msgspec.Struct, kw_only=True):
     code: int
 
 
-ZygoteRequest = SpawnWorker | SpawnServe
+class ZygoteQuery(msgspec.Struct, kw_only=True, tag=True):
+    """A tool or test -> zygote: what it holds ready (answered with `ZygoteState`)."""
+
+
+class ZygoteState(msgspec.Struct, kw_only=True):
+    prepared_pid: int = 0  # the worker prepared for the next restart (0: none)
+    prepared_ready: bool = False  # its weights mapped and faulted in, its kernels picked
+
+
+class PreparedReady(msgspec.Struct, kw_only=True):
+    """A prepared worker -> its zygote: ready to be taken (`error`: why it could not prepare; it exits)."""
+
+    error: str = ""
+
+
+class PreparedTake(msgspec.Struct, kw_only=True):
+    """Zygote -> its prepared worker: become the worker of this `SpawnWorker` request (its argv and
+    environment); stdout, stderr and the request's connection ride as SCM_RIGHTS. Answered with a
+    `SpawnReply` (the worker's pid, or why it cannot: it then exits)."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+ZygoteRequest = SpawnWorker | SpawnServe | ZygoteQuery
 
 
 # ----------------------------------------------------------------------------- framing

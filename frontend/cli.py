@@ -194,7 +194,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI; with `only`, the other subcommands are listed but their modules not imported
-    (start-up time counts for `ember snapshot restore`)."""
+    and their flags not added (start-up time counts: `ember snapshot restore`, a forked `ember serve`)."""
 
     def want(name: str) -> bool:
         return only is None or only == name
@@ -204,9 +204,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
-    gen.add_argument("prompt")
-    add_engine_arguments(gen)
-    add_sampling_args(gen)
+    if want("generate"):
+        gen.add_argument("prompt")
+        add_engine_arguments(gen)
+        add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
@@ -218,29 +219,30 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
-    core.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
-    core.add_argument(
-        "--listen",
-        default=None,
-        help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path); with -dp D, D addresses "
-        "comma-separated, or one tcp://HOST:PORT (rank r on PORT + r)",
-    )
-    core.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period on SIGTERM (s)")
-    core.add_argument(
-        "--client-timeout", type=float, default=10.0, help="abort requests of clients silent this long (s)"
-    )
-    add_engine_arguments(core)
+    if want("core"):
+        core.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+        core.add_argument(
+            "--listen",
+            default=None,
+            help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path); with -dp D, D addresses "
+            "comma-separated, or one tcp://HOST:PORT (rank r on PORT + r)",
+        )
+        core.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period on SIGTERM (s)")
+        silent = "abort requests of clients silent this long (s)"
+        core.add_argument("--client-timeout", type=float, default=10.0, help=silent)
+        add_engine_arguments(core)
     core.set_defaults(func=cmd_core)
 
     wk = sub.add_parser("worker", help="run this node's workers of an engine whose core runs on node 0")
-    wk.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
-    wk.add_argument(
-        "--headless",
-        action="store_true",
-        required=True,
-        help="no core or API here: the ranks of --node-rank connect to the head at --master-addr",
-    )
-    add_engine_arguments(wk)
+    if want("worker"):
+        wk.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+        wk.add_argument(
+            "--headless",
+            action="store_true",
+            required=True,
+            help="no core or API here: the ranks of --node-rank connect to the head at --master-addr",
+        )
+        add_engine_arguments(wk)
     wk.set_defaults(func=cmd_worker)
 
     pre = sub.add_parser("preload", help="keep processed weights in memory for fast engine restarts")

@@ -1,7 +1,7 @@
 """One worker: a device, the model loaded onto it, its KV cache and its model runner.
 
 Runs in a worker process (or inside the offline engine's process). Start-up (`load`), in phases: pick
-the device, attention backend and ops -> `load_weights` (and `load_draft`) -> `pick_kernels` ->
+the device, attention backend and ops -> `prepare`: `load_weights` (and `load_draft`), `pick_kernels` ->
 `measure_memory` -> size (`plan_kv_blocks`) and `allocate_kv_cache` -> `build_processors` -> the
 model runner; it reports `WorkerReady` (block count, bytes, load time). Then `execute_model` serves
 each step. A pipeline stage loads and caches only its layers and samples only on the last stage.
@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -99,6 +99,14 @@ class LoadedWeights:
     cache_fallback_reason: str  # why the preload cache was not used ("" if it was, or not asked for)
 
 
+class Prepared(NamedTuple):
+    """What `Worker.prepare` leaves: the target model, the draft model (if any) and the kernels."""
+
+    weights: LoadedWeights
+    draft: LlamaForCausalLM | None
+    forward: Forward
+
+
 @dataclass(frozen=True)
 class MemoryUsage:
     """What the loaded weights take and what one KV block will take (target and draft together)."""
@@ -139,8 +147,10 @@ class Worker:
         """Whether this worker's step results carry the sampled tokens (the last stage's TP rank 0)."""
         return self.pp.is_last and self.tp.rank == 0
 
-    def load(self, show_progress: bool = True) -> WorkerReady:
-        """Start-up in named phases; returns what the core needs to know about this rank."""
+    def prepare(self, show_progress: bool = True) -> Prepared:
+        """The start-up's phases that depend on the config alone: the weights (and draft) loaded, the
+        kernels picked. `load` runs them unless a prepared worker (workers/prepared.py) ran them
+        before its restart came."""
         with trace.phase("load weights"):
             weights = self.load_weights(show_progress)
         draft = self.load_draft(show_progress)
@@ -148,6 +158,12 @@ class Worker:
             release_load_memory()
         with trace.phase("pick kernels"):
             forward = self.pick_kernels(weights.model)
+        return Prepared(weights, draft, forward)
+
+    def load(self, show_progress: bool = True, prepared: Prepared | None = None) -> WorkerReady:
+        """Start-up in named phases (`prepare`'s unless given); returns what the core needs to know
+        about this rank."""
+        weights, draft, forward = prepared or self.prepare(show_progress)
         lora = None
         if self.config.lora.enable_lora:
             from workers.lora import LoRAManager  # (imports triton: only where adapters are served)

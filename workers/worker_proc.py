@@ -25,6 +25,7 @@ import threading
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -37,6 +38,9 @@ from coreproc.startup import boot, trace
 from coreproc.startup.orphan import LauncherWatch
 from workers.head_link import connect_head, interface_towards, is_remote
 from workers.parallel import PPGroup, TPGroup
+
+if TYPE_CHECKING:  # the worker's modules import torch: loaded inside `new_worker`, timed
+    from workers.worker import Prepared, Worker
 
 log = logging.getLogger("ember.worker")
 
@@ -109,17 +113,44 @@ def init_tensor_parallel(config: EngineConfig, rank: int, init_method: str) -> T
     return init_distributed(config, rank, init_method)[0]
 
 
-def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str, parent_pid: int) -> None:
-    """Process main: never returns normally; exits 0 on shutdown, 1 on failure."""
+def worker_title(config: EngineConfig, rank: int) -> str:
+    dp = config.parallel
+    if dp.data_parallel_size == 1:
+        return f"ember-worker-{rank}"
+    return f"ember-worker-dp{dp.data_parallel_rank}-{rank}"
+
+
+def new_worker(config: EngineConfig, rank: int, runtime_dir: str) -> Worker:
+    """This rank's `Worker`, in the engine's process group, its weights not loaded yet."""
+    with trace.phase("import torch and the model code"):
+        from workers.worker import Worker
+
+        if config.device.resolved_type == "cpu":
+            import torch
+
+            # ranks share the host's cores; oversubscribed OpenMP threads spin and stall each other
+            torch.set_num_threads(worker_threads(config))
+    with trace.phase("join the process group"):
+        tp, pp = init_distributed(config, rank, rendezvous(config, Path(runtime_dir)))
+    cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
+    return Worker(cfg, tp, pp)
+
+
+def run_worker(
+    config: EngineConfig,
+    rank: int,
+    endpoint: str,
+    runtime_dir: str,
+    parent_pid: int,
+    prepared: tuple[Worker, Prepared] | None = None,
+) -> None:
+    """Process main: never returns normally; exits 0 on shutdown, 1 on failure. `prepared`: this
+    process prepared the worker before its engine asked for it (workers/prepared.py)."""
     from setproctitle import setproctitle
 
-    dp = config.parallel
-    setproctitle(
-        f"ember-worker-{rank}"
-        if dp.data_parallel_size == 1
-        else f"ember-worker-dp{dp.data_parallel_rank}-{rank}"
-    )
-    trace.started()
+    setproctitle(worker_title(config, rank))
+    if prepared is None:
+        trace.started()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when workers stop
     logging.basicConfig(
         level=os.environ.get("EMBER_LOG_LEVEL", "WARNING"), format="%(levelname)s %(name)s: %(message)s"
@@ -142,19 +173,8 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     poller.register(core, zmq.POLLIN)
     code = 0
     try:
-        with trace.phase("import torch and the model code"):
-            from workers.worker import Worker
-
-            if config.device.resolved_type == "cpu":
-                import torch
-
-                # ranks share the host's cores; oversubscribed OpenMP threads spin and stall each other
-                torch.set_num_threads(worker_threads(config))
-        with trace.phase("join the process group"):
-            tp, pp = init_distributed(config, rank, rendezvous(config, Path(runtime_dir)))
-        cfg = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, rank=rank))
-        worker = Worker(cfg, tp, pp)
-        sock.send_multipart(codec.encode(worker.load(show_progress=rank == 0 and sys.stderr.isatty())))
+        worker, ready = prepared if prepared is not None else (new_worker(config, rank, runtime_dir), None)
+        sock.send_multipart(codec.encode(worker.load(rank == 0 and sys.stderr.isatty(), ready)))
         boot.settle()  # started by coreproc.startup.boot with the collector off
         watch.started()
         empty = RunnerOutput()
@@ -187,14 +207,20 @@ def run_worker(config: EngineConfig, rank: int, endpoint: str, runtime_dir: str,
     os._exit(code)
 
 
-def main(argv: list[str] | None = None, config_json: bytes | None = None) -> None:
-    """Entry point of `python -m workers.worker_proc` (config on stdin) and of zygote-forked workers."""
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """A worker's command line: its rank, the core's endpoint, the launch's runtime directory, the
+    core's pid."""
     parser = argparse.ArgumentParser(prog="python -m workers.worker_proc")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--endpoint", required=True)
     parser.add_argument("--runtime-dir", required=True)
     parser.add_argument("--parent-pid", type=int, required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, config_json: bytes | None = None) -> None:
+    """Entry point of `python -m workers.worker_proc` (config on stdin) and of zygote-forked workers."""
+    args = parse_args(argv)
     config = msgspec.json.decode(config_json or sys.stdin.buffer.read(), type=EngineConfig)
     run_worker(config, args.rank, args.endpoint, args.runtime_dir, args.parent_pid)
 

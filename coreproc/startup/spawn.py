@@ -17,10 +17,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coreproc.protocol import ServeExit, SpawnReply, SpawnWorker, ZygoteRequest
+from coreproc.protocol import ServeExit, SpawnReply, SpawnWorker, ZygoteQuery, ZygoteRequest, ZygoteState
 from coreproc.startup import standby
 from coreproc.startup.orphan import exited
 from workers.weight_cache.channel import default_socket_dir, peer_creds, recv_msg, send_msg
@@ -155,6 +156,27 @@ def fork_from(path: Path, request: ZygoteRequest, fds: list[int]) -> ForkedProce
     except BaseException:
         conn.close()
         raise
+
+
+def zygote_state(path: Path) -> ZygoteState:
+    """What the zygote at `path` holds ready (its prepared worker)."""
+    with connect_zygote(path) as conn:
+        send_msg(conn, ZygoteQuery())
+        state, fds = recv_msg(conn, ZygoteState)
+    for fd in fds:
+        os.close(fd)
+    return state
+
+
+def wait_prepared(path: Path, timeout: float) -> bool:
+    """Wait until the zygote at `path` holds a prepared worker ready to be taken; False after
+    `timeout` seconds without."""
+    deadline = time.monotonic() + timeout
+    while not zygote_state(path).prepared_ready:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def spawn_engine_process(

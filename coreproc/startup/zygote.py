@@ -9,7 +9,9 @@ imports the heavy modules and prepares the preloaded model's tokenizer and GGUF 
 its heap so children share those pages, listens on `zygote.sock` in the cache directory (0600,
 same-user peers only) and answers each request by forking. A child takes the requester's standard
 streams and environment, keeps the request's connection and reports its exit status on it
-(`ServeExit`) before it ends. Children are reaped here.
+(`ServeExit`) before it ends (coreproc/startup/forked.py). A worker request may instead take the
+worker prepared for it after an earlier one (coreproc/startup/prepared.py); `ZygoteQuery` asks about
+that worker. Children are reaped here.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ import gc
 import importlib
 import logging
 import os
+import select
 import signal
 import socket
 import sys
 from pathlib import Path
 
-from coreproc.protocol import ServeExit, SpawnReply, SpawnServe, ZygoteRequest
-from coreproc.startup.spawn import ENV_PREFIXES, ZYGOTE_SOCKET, code_stamp
+from coreproc.protocol import SpawnReply, SpawnServe, SpawnWorker, ZygoteQuery, ZygoteRequest
+from coreproc.startup.forked import ROLE_MAINS, Spawn, child
+from coreproc.startup.prepared import PreparedSlot
+from coreproc.startup.spawn import ZYGOTE_SOCKET, code_stamp
 from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
 
 log = logging.getLogger("ember.zygote")
@@ -52,16 +57,20 @@ ENGINE_MODULES = (
 )
 # named, not imported: the frontend sits above this layer (its entry points are looked up by name)
 SERVE_MODULES = ("uvicorn", "uvloop", "frontend.cli", "frontend.serve", "frontend.api_server")
-SERVE_ENTRY = ("frontend.launch", "forked")
-ROLE_MAINS = {"worker": "workers.worker_proc", "core": "coreproc.core_proc"}
 
 
 def prepare(warm: list[str]) -> None:
     """Fill this process's caches, which every child inherits: the preloaded models' tokenizers and
-    GGUF headers (coreproc.text.tokenizer and coreproc.gguf_file share them within a process)."""
+    GGUF headers (coreproc.text.tokenizer and coreproc.gguf_file share them within a process), the
+    engine options' annotations and the installed logits processors."""
+    from coreproc.config import ENGINE_SECTIONS
     from coreproc.gguf_file import is_gguf, open_gguf
+    from coreproc.logits_processors import installed_specs
+    from coreproc.options import settings
     from coreproc.text.tokenizer import load_tokenizer
 
+    list(settings(ENGINE_SECTIONS))  # the options' resolved annotations, for the CLI's parser
+    installed_specs()  # the installed logits processors, read once
     for path in warm:
         try:
             if is_gguf(path):
@@ -76,75 +85,7 @@ def preimport() -> None:
         importlib.import_module(name)
 
 
-def take_environment(env: dict[str, str], whole: bool) -> None:
-    """The requester's environment: all of it (`whole`), or its Ember/OpenMP/torch entries (those of
-    ours it lacks removed)."""
-    for key in list(os.environ):
-        if whole or (key.startswith(ENV_PREFIXES) and key not in env):
-            del os.environ[key]
-    os.environ.update(env)
-
-
-def child(req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list[int]) -> None:
-    """Runs in the forked process: become the requested process; never returns (whatever happens, the
-    exit status goes to the requester and the process ends here, never back in the zygote's loop)."""
-    code = 1
-    try:
-        code = become(req, fds, conn, closing)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except KeyboardInterrupt:
-        code = 130
-    except BaseException:  # what a fresh interpreter would print before exiting 1
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        try:
-            send_msg(conn, ServeExit(code=code))
-        except OSError:
-            pass
-        os._exit(code)
-
-
-def become(req: ZygoteRequest, fds: list[int], conn: socket.socket, closing: list[int]) -> int:
-    """Take the requester's streams, signals' defaults, environment and CPUs, then run the process's
-    main; its exit status."""
-    for fd in closing:  # the listener and the zygote's lock: a child must not hold them
-        os.close(fd)
-    targets = (0, 1, 2) if isinstance(req, SpawnServe) else (1, 2)
-    for stream in (sys.stdout, sys.stderr):  # nothing of the zygote's reaches the requester's streams
-        stream.flush()
-    for target, fd in zip(targets, fds):
-        os.dup2(fd, target)
-    for fd in fds:
-        os.close(fd)
-    sys.stdout.reconfigure(line_buffering=os.isatty(1))  # type: ignore[union-attr]
-    for sig in (signal.SIGCHLD, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    take_environment(req.env, whole=isinstance(req, SpawnServe))
-    if req.affinity:  # the requester's CPUs (taskset), where the zygote's cgroup allows them
-        try:
-            os.sched_setaffinity(0, req.affinity)
-        except OSError as e:
-            log.warning("cannot run on the requester's CPUs %s: %s", req.affinity, e)
-    if isinstance(req, SpawnServe):
-        os.chdir(req.cwd)
-        module, name = SERVE_ENTRY
-        status = getattr(importlib.import_module(module), name)(req.argv, conn)
-    else:
-        sys.stdin = open(os.devnull)
-        status = importlib.import_module(ROLE_MAINS[req.role]).main(req.argv, config_json=req.config)
-    return status if isinstance(status, int) else 0
-
-
-def refusal(req: ZygoteRequest, code: str) -> str | None:
+def refusal(req: Spawn, code: str) -> str | None:
     """Why this zygote, which imported the Ember code stamped `code`, cannot be `req`'s process
     (another Python, another Ember install, code changed since), or None."""
     if req.code != code:
@@ -173,35 +114,54 @@ def serve(socket_file: Path, lock: int, code: str) -> None:
     os.chmod(socket_file, 0o600)
     listener.listen(16)
     signal.signal(signal.SIGCHLD, reap)
+    slot = PreparedSlot([listener.fileno(), lock])
     print("ember zygote: ready", flush=True)
     while True:
         try:
-            conn, _ = listener.accept()
+            readable = select.select([listener, *slot.waiting_on()], [], [], slot.timeout())[0]
         except InterruptedError:
             continue
+        slot.poll(readable)
+        if listener not in readable:
+            continue
+        try:
+            conn, _ = listener.accept()
+        except (InterruptedError, BlockingIOError):
+            continue
         with conn:
-            fds: list[int] = []
-            try:
-                if peer_uid(conn) != os.getuid():
-                    continue
-                req, fds = recv_msg(conn, ZygoteRequest)
-                why = refusal(req, code)
-                if why is not None:
-                    send_msg(conn, SpawnReply(error=why))
-                    continue
-                pid = os.fork()
-                if pid == 0:
-                    child(req, fds, conn, [listener.fileno(), lock])
-                send_msg(conn, SpawnReply(pid=pid))
-            except Exception as e:  # a bad request never takes the zygote down
-                log.warning("spawn failed: %s", e)
-                try:
-                    send_msg(conn, SpawnReply(error=f"{type(e).__name__}: {e}"))
-                except OSError:
-                    pass
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            answer(conn, code, slot, [listener.fileno(), lock])
+
+
+def answer(conn: socket.socket, code: str, slot: PreparedSlot, closing: list[int]) -> None:
+    """One request: a fork (or the prepared worker), a refusal, or the zygote's state."""
+    fds: list[int] = []
+    try:
+        if peer_uid(conn) != os.getuid():
+            return
+        req, fds = recv_msg(conn, ZygoteRequest)
+        if isinstance(req, ZygoteQuery):
+            send_msg(conn, slot.state())
+            return
+        why = refusal(req, code)
+        if why is not None:
+            send_msg(conn, SpawnReply(error=why))
+            return
+        slot.note(req)
+        pid = slot.take(req, fds, conn) if isinstance(req, SpawnWorker) else 0
+        if not pid:
+            pid = os.fork()
+            if pid == 0:
+                child(req, fds, conn, closing)
+        send_msg(conn, SpawnReply(pid=pid))
+    except Exception as e:  # a bad request never takes the zygote down
+        log.warning("spawn failed: %s", e)
+        try:
+            send_msg(conn, SpawnReply(error=f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,6 +80,16 @@ def keep_mapping(model: nn.Module, mm: mmap.mmap) -> None:
     setattr(model, MAPPING_ATTR, mm)  # not a tensor or module: a plain attribute of the model
 
 
+def fault_in(model: nn.Module) -> bool:
+    """Map every page of `model`'s kept mapping (`keep_mapping`) into this process now, one read per
+    page, so that its first step does not take the page faults; False when it keeps none."""
+    mm = getattr(model, MAPPING_ATTR, None)
+    if not isinstance(mm, mmap.mmap):
+        return False
+    torch.frombuffer(mm, dtype=torch.uint8)[:: mmap.PAGESIZE].sum()
+    return True
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

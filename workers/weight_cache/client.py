@@ -27,7 +27,7 @@ from workers.models.layers import VocabEmbedding
 from workers.parallel import TPGroup
 from workers.quant.base import QuantLayer
 from workers.weight_cache.arena import import_cpu, import_cuda, install, keep_mapping
-from workers.weight_cache.channel import default_socket_dir, peer_uid, recv_msg, send_msg
+from workers.weight_cache.channel import default_socket_dir, peer_creds, peer_uid, recv_msg, send_msg
 from workers.weight_cache.fingerprint import (
     device_identity,
     fingerprint,
@@ -48,8 +48,8 @@ def cache_socket(config: EngineConfig, device: torch.device, tp_rank: int, role:
     return socket_path(directory, ident, config.parallel.data_parallel_rank, tp_rank, role)
 
 
-def request(path: Path, req: CacheRequest, timeout: float = 10.0) -> tuple[CacheReply, list[int]]:
-    """One request to a daemon, with the socket and peer checks."""
+def connect(path: Path, timeout: float) -> socket.socket:
+    """A connection to the daemon at `path`, with the socket and peer checks."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -61,12 +61,40 @@ def request(path: Path, req: CacheRequest, timeout: float = 10.0) -> tuple[Cache
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(timeout)
     try:
-        try:
-            conn.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            raise CacheUnavailable(f"no preload daemon listening at {path} (stale socket)") from None
+        conn.connect(str(path))
         if peer_uid(conn) != os.getuid():
             raise CacheUnavailable(f"the process behind {path} runs as another user")
+    except (ConnectionRefusedError, FileNotFoundError):
+        conn.close()
+        raise CacheUnavailable(f"no preload daemon listening at {path} (stale socket)") from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def daemon_pid(path: Path, timeout: float = 5.0) -> int:
+    """The pid of the daemon at `path` if it answers a ping "ready", else 0."""
+    try:
+        conn = connect(path, timeout)
+    except (CacheUnavailable, OSError):
+        return 0
+    try:
+        send_msg(conn, CacheRequest(kind="ping"))
+        reply, fds = recv_msg(conn, CacheReply)
+        for fd in fds:
+            os.close(fd)
+        return peer_creds(conn)[0] if reply.status == "ready" else 0
+    except (ConnectionError, OSError, ValueError):
+        return 0
+    finally:
+        conn.close()
+
+
+def request(path: Path, req: CacheRequest, timeout: float = 10.0) -> tuple[CacheReply, list[int]]:
+    """One request to a daemon, with the socket and peer checks."""
+    conn = connect(path, timeout)
+    try:
         try:
             send_msg(conn, req)
             return recv_msg(conn, CacheReply)
