@@ -1,4 +1,4 @@
-"""A worker prepared ahead of the next warm restart (`ember-worker-prepared`): what it prepares.
+"""A worker prepared ahead of the next warm restart (`ember-prepared`): what it prepares.
 
 Runs in a child of the preload zygote, which decides when and hands it a request
 (coreproc/startup/prepared.py). `prepare` does for an earlier request what the engine's config alone

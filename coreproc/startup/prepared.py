@@ -158,7 +158,7 @@ def run_prepared(req: SpawnWorker, conn: socket.socket, closing: list[int]) -> N
     try:
         for fd in closing:
             os.close(fd)
-        setproctitle("ember-worker-prepared")
+        setproctitle("ember-prepared")
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         take_environment({k: v for k, v in req.env.items() if k != trace.ENV}, whole=False)
         os.environ.pop(trace.ENV, None)  # the trace of a past start is not this process's
