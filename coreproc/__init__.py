@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from coreproc.protocol import InvalidParam, SamplingParams
-
 if TYPE_CHECKING:
     from coreproc.llm import LLM
+    from coreproc.protocol import InvalidParam, SamplingParams
     from coreproc.outputs import CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidParam"]
 
 
 def __getattr__(name: str) -> Any:
-    # LLM pulls in torch and transformers; import it only when asked for
+    # LLM pulls in torch and transformers, the protocol msgspec: imported when asked for (a light
+    # command such as `ember snapshot restore` imports a coreproc module without them)
+    if name in ("SamplingParams", "InvalidParam"):
+        from coreproc import protocol
+
+        return getattr(protocol, name)
     if name == "LLM":
         from coreproc.llm import LLM
 

@@ -67,11 +67,14 @@ class EngineRequestError(RuntimeError):
 
 
 def run_command(
-    name: str, func: Callable[[], int], debug: bool = False, flags: Mapping[str, str] | None = None
+    name: str,
+    func: Callable[[], int],
+    debug: bool = False,
+    flags: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
 ) -> int:
     """A command's exit status: its own; 2 with one line on stderr for an `EmberError` (its traceback
-    too with `debug`; a `ConfigError` said with `flags`, keyword -> flag); 130 on Ctrl-C. Any other
-    exception propagates (traceback, status 1)."""
+    too with `debug`; a `ConfigError` said with `flags`, keyword -> flag, or the function that gives
+    them, called only then); 130 on Ctrl-C. Any other exception propagates (traceback, status 1)."""
     try:
         return func()
     except KeyboardInterrupt:
@@ -79,6 +82,8 @@ def run_command(
     except EmberError as e:
         if debug:
             raise
+        if callable(flags):
+            flags = flags()
         said = e.said_with(flags) if flags is not None and isinstance(e, ConfigError) else str(e)
         print(f"{name}: error: {said}", file=sys.stderr)
         return 2

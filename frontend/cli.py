@@ -15,10 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from coreproc.config import ENGINE_SECTIONS, add_engine_arguments, engine_options
 from coreproc.errors import run_command
-from coreproc.model_config import MODEL_HELP
-from coreproc.options import flags
 from frontend.argv import command_of
 
 
@@ -37,6 +34,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from coreproc import LLM, SamplingParams
+    from coreproc.config import engine_options
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -71,7 +69,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_core(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coreproc.config import EngineConfig
+    from coreproc.config import EngineConfig, engine_options
     from coreproc.core_proc import run_core_process
     from coreproc.ipc import ipc_endpoint, make_runtime_dir, remove_runtime_dir
 
@@ -103,7 +101,7 @@ def cmd_core(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig
+    from coreproc.config import EngineConfig, engine_options
     from coreproc.startup.headless import run_headless
 
     return run_headless(EngineConfig.create(**engine_options(args)))
@@ -123,7 +121,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig
+    from coreproc.config import EngineConfig, engine_options
     from coreproc.startup import trace
     from frontend import serve
 
@@ -133,14 +131,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig
+    from coreproc.config import EngineConfig, engine_options
     from frontend.bench import throughput as bench_throughput
 
     return bench_throughput.run(args, EngineConfig.create(**engine_options(args)))
 
 
 def cmd_preload(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig
+    from coreproc.config import EngineConfig, engine_options
     from workers.weight_cache import preload
 
     kwargs = engine_options(args)
@@ -154,14 +152,14 @@ def cmd_preload(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_restart(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig
+    from coreproc.config import EngineConfig, engine_options
     from frontend.bench import restart as bench_restart
 
     return bench_restart.run(args, EngineConfig.create(**engine_options(args)))
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig
+    from coreproc.config import EngineConfig, engine_options
     from frontend.bench import latency as bench_latency
 
     return bench_latency.run(args, EngineConfig.create(**engine_options(args)))
@@ -192,6 +190,27 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def engine_flags() -> dict[str, str]:
+    """Each engine option's keyword -> its flag (how a `ConfigError` is said on the command line)."""
+    from coreproc.config import ENGINE_SECTIONS
+    from coreproc.options import flags
+
+    return flags(ENGINE_SECTIONS)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (coreproc.config's options: imported only for a command that takes them)."""
+    from coreproc.config import add_engine_arguments as add
+
+    add(p)
+
+
+def model_help() -> str:
+    from coreproc.model_config import MODEL_HELP
+
+    return MODEL_HELP
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI; with `only`, the other subcommands are listed but their modules not imported
     and their flags not added (start-up time counts: `ember snapshot restore`, a forked `ember serve`)."""
@@ -220,7 +239,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
     if want("core"):
-        core.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+        core.add_argument("model", nargs="?", default=None, help=model_help())
         core.add_argument(
             "--listen",
             default=None,
@@ -235,7 +254,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     wk = sub.add_parser("worker", help="run this node's workers of an engine whose core runs on node 0")
     if want("worker"):
-        wk.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+        wk.add_argument("model", nargs="?", default=None, help=model_help())
         wk.add_argument(
             "--headless",
             action="store_true",
@@ -317,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     debug = args.log_level.upper() == "DEBUG"
-    return run_command(f"ember {args.command}", lambda: func(args), debug, flags(ENGINE_SECTIONS))
+    return run_command(f"ember {args.command}", lambda: func(args), debug, engine_flags)
 
 
 if __name__ == "__main__":

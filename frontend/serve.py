@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from frontend.api_servers import (
 )
 from frontend.canary import canary_request, canary_result
 from frontend.http_protocol import read_deadline_protocol
+from frontend.listen import bind
 from frontend.server_config import ServerConfig, add_server_arguments, server_config
 from frontend.server_security import exposure_warning
 from frontend.snapshot_manifest import write_json_atomic
@@ -61,22 +61,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p)
     p.add_argument("--snapshot-park", default=None, help=argparse.SUPPRESS)
     p.add_argument(CHILD_FLAG, default=None, help=argparse.SUPPRESS)  # set for API servers 1..N-1
-
-
-def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
-    """A listening socket (`reuse_port`: shared with the other API server processes)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise EmberError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    sock.listen(2048)
-    return sock
 
 
 def describe_engine(addresses: list[str]) -> str:

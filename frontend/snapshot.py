@@ -32,6 +32,7 @@ import msgspec
 from coreproc.errors import EmberError
 from coreproc.startup import trace
 from frontend.canary import CANARY_PROMPT, canary_request, canary_result
+from frontend.listen import bind
 from frontend.snapshot_manifest import (
     Canary,
     Manifest,
@@ -230,8 +231,6 @@ class Restored:
 
 def check_port_free(host: str, port: int) -> int:
     """The port to use (a free one for 0); SnapshotError when it is taken."""
-    from frontend.serve import bind
-
     try:
         sock = bind(host, port)
     except EmberError as e:
