@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from coreproc.llm import LLM
-    from coreproc.protocol import InvalidParam, SamplingParams
     from coreproc.outputs import CompletionOutput, RequestOutput
+    from coreproc.protocol import InvalidParam, SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidParam"]
 

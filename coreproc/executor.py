@@ -112,7 +112,7 @@ class MultiprocExecutor:
         self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
         self._tick: Callable[[], object] | None = None
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
-        self.procs: list = []  # subprocess.Popen or spawn.ForkedProcess
+        self.procs: list = []  # subprocess.Popen or zygote_link.ForkedProcess
         self._step = 0
         self._pending: deque[int] = deque()  # step ids submitted and not yet waited for, oldest first
         self._done: dict[int, set[int]] = {}  # step id -> ranks that answered it

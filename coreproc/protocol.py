@@ -551,14 +551,14 @@ class SpawnWorker(msgspec.Struct, kw_only=True, tag=True):
     config: bytes  # the EngineConfig as JSON
     env: dict[str, str] = {}
     role: str = "worker"
-    code: str = ""  # spawn.code_stamp() of the requester: the zygote refuses other code
+    code: str = ""  # zygote_link.code_stamp() of the requester: the zygote refuses other code
     affinity: list[int] = []  # the requester's CPUs (taskset): the child runs on them
 
 
 class SpawnServe(msgspec.Struct, kw_only=True, tag=True):
     """`ember serve` -> zygote: fork the server with the launcher's command line, whole environment and
     working directory; stdin/stdout/stderr ride as SCM_RIGHTS. `executable`, `package` (where the
-    launcher's Ember is installed) and `code` (spawn.code_stamp) must be the zygote's own, or it
+    launcher's Ember is installed) and `code` (zygote_link.code_stamp) must be the zygote's own, or it
     refuses."""
 
     argv: list[str]

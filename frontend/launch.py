@@ -22,6 +22,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from frontend.argv import command_of, flag_value
 
@@ -35,7 +36,7 @@ def zygote_for(argv: list[str]) -> Path | None:
         return None
     if any(arg.split("=", 1)[0] in SERVE_WITHOUT_ZYGOTE for arg in argv):
         return None
-    from coreproc.startup.spawn import zygote_at
+    from coreproc.startup.zygote_link import zygote_at
 
     return zygote_at(flag_value(argv, "--socket-dir"))
 
@@ -43,31 +44,40 @@ def zygote_for(argv: list[str]) -> Path | None:
 def serve_from(zygote: Path, argv: list[str]) -> int | None:
     """Have the zygote fork `ember serve ARGV` and stand in for it until it exits (its exit status);
     None when the zygote cannot (the reason logged), so that the caller serves itself."""
-    import frontend
-    from coreproc.protocol import SpawnServe
+    import json
+
     from coreproc.startup import trace
-    from coreproc.startup.spawn import code_stamp, fork_from
+    from coreproc.startup.zygote_link import code_stamp, fork_from
 
     trace.started(process="ember (launcher)")
-    request = SpawnServe(
-        argv=list(argv),
-        env=dict(os.environ),
-        cwd=os.getcwd(),
-        executable=sys.executable,
-        package=str(Path(frontend.__file__ or "").parent),
-        code=code_stamp(),
-        affinity=sorted(os.sched_getaffinity(0)),
-    )
+    request = spawn_serve(argv, code_stamp())
     try:
         with trace.phase("fork the server from the zygote", "ember (launcher)"):
-            server = fork_from(zygote, request, [0, 1, 2])
-    except (OSError, ConnectionError, RuntimeError) as e:
+            server = fork_from(zygote, json.dumps(request).encode(), [0, 1, 2])
+    except (OSError, ConnectionError, RuntimeError, ValueError) as e:
         print(f"ember serve: not forked from the preload zygote ({e}); starting here", file=sys.stderr)
         return None
     for sig in RELAYED:
         signal.signal(sig, lambda sig, _frame: server.send_signal(sig))
     code = server.wait()
     return code if code >= 0 else 1  # -1: it ended without a status (killed)
+
+
+def spawn_serve(argv: list[str], code: str) -> dict[str, Any]:
+    """coreproc.protocol's `SpawnServe` for `ember ARGV`, as the JSON object the zygote decodes (built
+    here without msgspec and the protocol module: importing them took this process ~0.1 s)."""
+    import frontend
+
+    return {
+        "type": "SpawnServe",
+        "argv": list(argv),
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "executable": sys.executable,
+        "package": str(Path(frontend.__file__ or "").parent),
+        "code": code,
+        "affinity": sorted(os.sched_getaffinity(0)),
+    }
 
 
 def forked(argv: list[str], conn: socket.socket) -> int:

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 CORE_EXIT_WAIT_S = 10.0
-WATCH_POLL_S = 0.05  # a supervisor's restart starts this much sooner after the last core is gone
+WATCH_POLL_S = 0.02  # a supervisor's restart starts this much sooner after the last core is gone
 
 
 class EngineWatch(threading.Thread):
@@ -165,7 +165,7 @@ class EngineWatch(threading.Thread):
             if dead is not None:
                 self.dead = dead
                 print(f"ember serve: every engine core is gone ({dead}); exiting", flush=True)
-                self.server.should_exit = True
+                self.server.stop(drain=False)  # the streams have had their error events
                 deadline = time.monotonic() + CORE_EXIT_WAIT_S  # a dying core stops its workers
                 for core in self.cores.cores:
                     while core.alive() and time.monotonic() < deadline:
@@ -201,7 +201,7 @@ def stop_signals_end_serving(server: Any) -> Iterator[None]:
     only tells `server` to exit: a signal that comes before uvicorn has put its own handlers in place
     (while it starts) still ends the serving, and one raised again after it changes nothing."""
     stops = (signal.SIGTERM, signal.SIGINT)
-    previous = {sig: signal.signal(sig, lambda *_: setattr(server, "should_exit", True)) for sig in stops}
+    previous = {sig: signal.signal(sig, lambda *_: server.stop()) for sig in stops}
     try:
         yield
     finally:
@@ -225,8 +225,10 @@ def raise_open_file_limit() -> None:
 
 def _uvicorn_server(uvicorn: Any, app: Any, cfg: ServerConfig, shutdown_timeout: float) -> Any:
     """uvicorn on uvloop; with --ssl-certfile it wraps the pre-bound socket in TLS."""
+    from frontend.uvicorn_server import Server
+
     level = logging.getLevelName(logging.getLogger().level).lower()
-    return uvicorn.Server(
+    return Server(
         uvicorn.Config(
             app,
             loop="uvloop",
@@ -253,10 +255,12 @@ def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> i
 
 
 async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: float) -> int:
-    import asyncio  # here: `ember snapshot restore` imports this module for `bind` and is timed
+    import asyncio
 
     import httpx
     import uvicorn
+
+    from frontend.uvicorn_server import Server
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -291,7 +295,7 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
             print(f"ember serve: restored, but {e}", flush=True)
             return 1
         host, port = sock.getsockname()[:2]
-        server = uvicorn.Server(
+        server = Server(
             uvicorn.Config(
                 app,
                 lifespan="off",

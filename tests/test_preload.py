@@ -26,7 +26,7 @@ from coreproc import LLM, SamplingParams
 from coreproc.config import EngineConfig
 from coreproc.dp_engine import DPEngine
 from coreproc.protocol import CacheRequest
-from coreproc.startup.spawn import ForkedProcess
+from coreproc.startup.zygote_link import ForkedProcess
 from kernels import select_backend
 from workers.parallel import TPGroup
 from workers.weight_cache.client import CacheUnavailable, cache_socket, load_from_cache, request

@@ -22,7 +22,8 @@ from coreproc import LLM, SamplingParams
 from coreproc.config import EngineConfig
 from coreproc.protocol import SpawnWorker
 from coreproc.startup.prepared import preparable
-from coreproc.startup.spawn import ZYGOTE_SOCKET, wait_prepared, zygote_state
+from coreproc.startup.spawn import wait_prepared, zygote_state
+from coreproc.startup.zygote_link import ZYGOTE_SOCKET
 
 pytestmark = pytest.mark.e2e
 

@@ -23,9 +23,9 @@ import pytest
 from test_preload import _children, start_preload, stop
 
 from coreproc import LLM, SamplingParams
-from coreproc.protocol import SpawnServe, SpawnWorker
+from coreproc.protocol import SpawnServe, SpawnWorker, ZygoteRequest
 from coreproc.startup import zygote
-from coreproc.startup.spawn import code_stamp
+from coreproc.startup.zygote_link import code_stamp
 from frontend.argv import flag_value
 from frontend.launch import zygote_for
 from tests.server_util import eventually
@@ -240,3 +240,26 @@ def test_the_zygote_refuses_another_python_install_or_code():
     assert zygote.refusal(worker, code) is None
     assert "code changed" in (zygote.refusal(worker, "0-1") or "")
     assert "unknown role" in (zygote.refusal(msgspec.structs.replace(worker, role="x"), code) or "")
+
+
+@pytest.mark.unit
+def test_the_launchers_json_request_is_the_protocols_spawn_serve(monkeypatch):
+    """The launcher writes `SpawnServe` with the standard library: the zygote must read the same
+    message the protocol defines (every field, no extra one)."""
+    import frontend
+    from frontend.launch import spawn_serve
+
+    monkeypatch.setenv("EMBER_X", "1")
+    argv = ["serve", "m", "--load-format", "ipc_cache"]
+    body = json.dumps(spawn_serve(argv, "123-4")).encode()
+    got = msgspec.json.decode(body, type=ZygoteRequest)
+    assert got == SpawnServe(
+        argv=argv,
+        env=dict(os.environ),
+        cwd=os.getcwd(),
+        executable=sys.executable,
+        package=str(Path(frontend.__file__).parent),
+        code="123-4",
+        affinity=sorted(os.sched_getaffinity(0)),
+    )
+    assert set(json.loads(body)) == {"type", *SpawnServe.__struct_fields__}

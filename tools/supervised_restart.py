@@ -1,7 +1,8 @@
 """Time to recover under a supervisor: kill the engine core of a live `ember serve` and time the way back.
 
 Runs in its own process and plays systemd's `Restart=always`: it starts `ember serve MODEL ...`,
-restarts it whenever it exits, and measures, per round, (1) from SIGKILL of the `ember-core` process
+restarts it whenever it exits, and measures, per round (a stream running for --uptime seconds, then
+the core killed), (1) from SIGKILL of the `ember-core` process
 to the end of a running stream (its error event), (2) to the exit of `ember serve`, (3) to
 `/health` answering 200 again from the restarted server and (4) to its first served token. Run it
 with `--load-format ipc_cache` and an `ember preload MODEL` daemon running to measure the warm
@@ -90,13 +91,13 @@ def stream_until_end(url: str, ended: list[float]) -> None:
 
 
 def one_round(
-    model: str, port: int, extra: list[str], proc: subprocess.Popen
+    model: str, port: int, extra: list[str], proc: subprocess.Popen, uptime: float
 ) -> tuple[dict, subprocess.Popen]:
     url = f"http://127.0.0.1:{port}"
     ended: list[float] = []
     reader = threading.Thread(target=stream_until_end, args=(url, ended), daemon=True)
     reader.start()
-    time.sleep(1.0)  # the stream is running
+    time.sleep(uptime)  # the stream is running
     killed = time.monotonic()
     os.kill(core_of(proc.pid), 9)
     code = proc.wait(60)
@@ -124,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.supervised_restart", description=__doc__.split("\n")[0])
     p.add_argument("model")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--uptime",
+        type=float,
+        default=3.0,
+        help="seconds each server streams before its core is killed (the preload zygote prepares the "
+        "next restart's worker a second after a start)",
+    )
     p.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args(argv)
     port = free_port()
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for _ in range(args.rounds):
-            row, proc = one_round(args.model, port, extra, proc)
+            row, proc = one_round(args.model, port, extra, proc, args.uptime)
             rows.append(row)
             print(json.dumps(row))
     finally:

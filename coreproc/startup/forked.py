@@ -65,7 +65,7 @@ def child(
             except (OSError, ValueError):
                 pass
         try:
-            send_msg(conn, ServeExit(code=code))
+            send_msg(conn, ServeExit(code=code), wire="json")
         except OSError:
             pass
         os._exit(code)

@@ -23,7 +23,8 @@ import msgspec
 from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError
 from coreproc.ipc import is_loopback_endpoint, make_runtime_dir, remove_runtime_dir
-from coreproc.startup.spawn import ForkedProcess, spawn_worker
+from coreproc.startup.spawn import spawn_worker
+from coreproc.startup.zygote_link import ForkedProcess
 
 log = logging.getLogger("ember.headless")
 

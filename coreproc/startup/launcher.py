@@ -28,7 +28,8 @@ from coreproc.config import EngineConfig
 from coreproc.errors import EmberError
 from coreproc.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.protocol import CoreReady
-from coreproc.startup.spawn import ForkedProcess, spawn_engine_process
+from coreproc.startup.spawn import spawn_engine_process
+from coreproc.startup.zygote_link import ForkedProcess
 
 
 class EngineStartError(RuntimeError):

@@ -31,7 +31,7 @@ from pathlib import Path
 from coreproc.protocol import SpawnReply, SpawnServe, SpawnWorker, ZygoteQuery, ZygoteRequest
 from coreproc.startup.forked import ROLE_MAINS, Spawn, child
 from coreproc.startup.prepared import PreparedSlot
-from coreproc.startup.spawn import ZYGOTE_SOCKET, code_stamp
+from coreproc.startup.zygote_link import ZYGOTE_SOCKET, code_stamp
 from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
 
 log = logging.getLogger("ember.zygote")
@@ -138,13 +138,13 @@ def answer(conn: socket.socket, code: str, slot: PreparedSlot, closing: list[int
     try:
         if peer_uid(conn) != os.getuid():
             return
-        req, fds = recv_msg(conn, ZygoteRequest)
+        req, fds = recv_msg(conn, ZygoteRequest, wire="json")
         if isinstance(req, ZygoteQuery):
-            send_msg(conn, slot.state())
+            send_msg(conn, slot.state(), wire="json")
             return
         why = refusal(req, code)
         if why is not None:
-            send_msg(conn, SpawnReply(error=why))
+            send_msg(conn, SpawnReply(error=why), wire="json")
             return
         slot.note(req)
         pid = slot.take(req, fds, conn) if isinstance(req, SpawnWorker) else 0
@@ -152,11 +152,11 @@ def answer(conn: socket.socket, code: str, slot: PreparedSlot, closing: list[int
             pid = os.fork()
             if pid == 0:
                 child(req, fds, conn, closing)
-        send_msg(conn, SpawnReply(pid=pid))
+        send_msg(conn, SpawnReply(pid=pid), wire="json")
     except Exception as e:  # a bad request never takes the zygote down
         log.warning("spawn failed: %s", e)
         try:
-            send_msg(conn, SpawnReply(error=f"{type(e).__name__}: {e}"))
+            send_msg(conn, SpawnReply(error=f"{type(e).__name__}: {e}"), wire="json")
         except OSError:
             pass
     finally:

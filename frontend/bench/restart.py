@@ -29,7 +29,8 @@ from typing import Any
 from coreproc.config import EngineConfig
 from coreproc.gguf_file import is_gguf
 from coreproc.model_config import MODEL_HELP
-from coreproc.startup.spawn import ZYGOTE_SOCKET, wait_prepared
+from coreproc.startup.spawn import wait_prepared
+from coreproc.startup.zygote_link import ZYGOTE_SOCKET
 from frontend.bench import restart_trace
 from frontend.bench.restart_trace import StartTrace
 

@@ -1,7 +1,10 @@
-"""Framing on a preload daemon's Unix socket: one msgspec message each way, file descriptors alongside.
+"""Framing on a preload daemon's or the zygote's Unix socket: one msgspec message each way, file
+descriptors alongside.
 
-Runs in preload daemons and engine workers. A message is an 8-byte big-endian length sent with
-`sendmsg` (file descriptors ride on it as SCM_RIGHTS), then the msgpack body. The peer's uid is read
+Runs in preload daemons, the zygote, engine processes and the `ember` launcher. A message is an 8-byte
+big-endian length sent with `sendmsg` (file descriptors ride on it as SCM_RIGHTS), then the body:
+msgpack, or JSON on the zygote's socket (which the launcher writes with the standard library; msgspec
+is imported at the first message, not with this module). The peer's uid is read
 with SO_PEERCRED: both sides refuse a peer that is not the same user.
 """
 
@@ -10,20 +13,19 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import tempfile
 from pathlib import Path
-from typing import Any
-
-import msgspec
+from typing import Any, Literal
 
 MAX_FDS = 16
 MAX_BODY = 64 * 2**20
 
-_encoder = msgspec.msgpack.Encoder()
+Wire = Literal["msgpack", "json"]  # the daemons' messages / the zygote's (see coreproc.startup.zygote_link)
 
 
 def default_socket_dir() -> Path:
     """Where `ember preload` puts its daemons' and zygote's sockets unless told (--socket-dir)."""
+    import tempfile  # here: the `ember` launcher imports this module and is timed
+
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return Path(base) / f"ember-cache-{os.getuid()}"
 
@@ -38,10 +40,16 @@ def peer_uid(conn: socket.socket) -> int:
     return peer_creds(conn)[1]
 
 
-def send_msg(conn: socket.socket, msg: Any, fds: list[int] | None = None) -> None:
-    body = _encoder.encode(msg)
+def send_frame(conn: socket.socket, body: bytes, fds: list[int] | None = None) -> None:
+    """One message's bytes, `fds` riding on its length prefix."""
     socket.send_fds(conn, [struct.pack(">Q", len(body))], fds or [])
     conn.sendall(body)
+
+
+def send_msg(conn: socket.socket, msg: Any, fds: list[int] | None = None, wire: Wire = "msgpack") -> None:
+    import msgspec
+
+    send_frame(conn, (msgspec.json if wire == "json" else msgspec.msgpack).encode(msg), fds)
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -60,10 +68,9 @@ def close_fds(fds: list[int]) -> None:
         os.close(fd)
 
 
-def recv_msg(conn: socket.socket, typ: Any) -> tuple[Any, list[int]]:
-    """One message of `typ` (a message type, or a union of tagged ones) and the file descriptors that
-    came with it (the caller closes them; when the message is cut short, too large or does not decode,
-    they are closed here)."""
+def recv_frame(conn: socket.socket) -> tuple[bytes, list[int]]:
+    """One message's bytes and the file descriptors that came with it (closed here when the message
+    is cut short or too large)."""
     head, fds, _, _ = socket.recv_fds(conn, 8, MAX_FDS)
     try:
         if len(head) < 8:
@@ -73,7 +80,21 @@ def recv_msg(conn: socket.socket, typ: Any) -> tuple[Any, list[int]]:
         (length,) = struct.unpack(">Q", head)
         if length > MAX_BODY:
             raise ConnectionError(f"message of {length} bytes is too large")
-        return msgspec.msgpack.decode(_recv_exact(conn, length), type=typ), fds
+        return _recv_exact(conn, length), fds
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+def recv_msg(conn: socket.socket, typ: Any, wire: Wire = "msgpack") -> tuple[Any, list[int]]:
+    """One message of `typ` (a message type, or a union of tagged ones) and the file descriptors that
+    came with it (the caller closes them; when the message is cut short, too large or does not decode,
+    they are closed here)."""
+    import msgspec
+
+    body, fds = recv_frame(conn)
+    try:
+        return (msgspec.json if wire == "json" else msgspec.msgpack).decode(body, type=typ), fds
     except BaseException:
         close_fds(fds)
         raise
