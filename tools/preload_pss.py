@@ -3,9 +3,11 @@
 Runs in its own process. Starts an `ember preload MODEL` daemon, then N engines with `--load-format
 ipc_cache` side by side (each answers one completion), and sums the proportional set size (PSS:
 shared pages split between the processes that map them) of every process involved: the daemon's
-tree (with the workers its zygote forks for the engines) and each engine's own (frontend, core, and
-workers it started itself). With the weights mapped once, N engines cost one copy of the weights
-plus N times an engine's own memory. Prints a row per N, and the ratio of the total to one engine's.
+tree (with the servers, cores and workers its zygote forks for the engines, and the worker it holds
+prepared for the next restart, measured once it is ready) and each engine's own (its launcher, or
+the frontend, core and workers it started itself). With the weights mapped once, N engines cost one
+copy of the weights plus N times an engine's own memory. Prints a row per N, and the ratio of the
+total to one engine's.
 
     python -m tools.preload_pss MODEL --engines 1 2 4 [--serve-args --dtype bfloat16]
 """
@@ -21,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 import httpx
+
+from coreproc.startup.spawn import wait_prepared
+from coreproc.startup.zygote_link import ZYGOTE_SOCKET
 
 EMBER = [sys.executable, "-m", "frontend.launch"]  # what the `ember` command runs
 
@@ -75,6 +80,8 @@ def measure(model: str, count: int, extra: list[str]) -> tuple[int, int, list[in
                 engines.append(proc)
                 body = {"prompt": "def", "max_tokens": 4, "temperature": 0}
                 httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+            if not wait_prepared(sockets / ZYGOTE_SOCKET, 120.0):  # the steady state holds one
+                print("warning: the zygote prepared no worker for the next restart", file=sys.stderr)
             each = [sum(pss_kib(p) for p in tree(e.pid)) for e in engines]
             return sum(pss_kib(p) for p in tree(daemon.pid)), sum(each), each
         finally:
