@@ -11,7 +11,8 @@ The process tree of `ember serve` (every name is the process title):
       └─ ember-zygote (zygote.py): every module imported, the preloaded tokenizer built; forks
            ├─ ember-serve     for `ember serve --load-format ipc_cache` (frontend.launch stands in)
            ├─ ember-core      for a frontend with --load-format ipc_cache (spawn.spawn_engine_process)
-           └─ ember-worker-<rank>  for such a core
+           ├─ ember-worker-<rank>  for such a core
+           └─ ember-prepared  the next restart's worker, prepared (prepared.py; workers/prepared.py)
 
 `ember core` runs the core in the user's process; the offline `LLM` and `ember batch` run the engine
 core in-process (workers in-process or spawned as above). `boot` is the first module of every fresh
@@ -20,5 +21,7 @@ core or worker interpreter: it turns the garbage collector off before the heavy 
 core or worker whose launcher is gone (after that, their serving loops watch it). Modules here import
 no frontend code;
 `boot` imports only the shared base (it names the role modules as strings) so every layer may use
-it; `standby` starts a cold start's core and first worker before their command lines are known.
+it; `standby` starts a cold start's core and first worker before their command lines are known;
+`zygote_link` is the light way to the zygote (the `ember` launcher's), `forked` what a forked child
+does first.
 """
