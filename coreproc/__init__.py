@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from coreproc.errors import InvalidParam
     from coreproc.llm import LLM
     from coreproc.outputs import CompletionOutput, RequestOutput
-    from coreproc.protocol import InvalidParam, SamplingParams
+    from coreproc.protocol import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidParam"]
 
@@ -15,10 +16,14 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Invali
 def __getattr__(name: str) -> Any:
     # LLM pulls in torch and transformers, the protocol msgspec: imported when asked for (a light
     # command such as `ember snapshot restore` imports a coreproc module without them)
-    if name in ("SamplingParams", "InvalidParam"):
-        from coreproc import protocol
+    if name == "InvalidParam":
+        from coreproc.errors import InvalidParam
 
-        return getattr(protocol, name)
+        return InvalidParam
+    if name == "SamplingParams":
+        from coreproc.protocol import SamplingParams
+
+        return SamplingParams
     if name == "LLM":
         from coreproc.llm import LLM
 

@@ -22,7 +22,6 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from coreproc.dp_client import make_request
 from coreproc.errors import EngineDeadError, EngineRequestError
 from coreproc.ipc import Codec, apply_curve_client
 from coreproc.mm_store import MediaShadow
@@ -42,6 +41,7 @@ from coreproc.protocol import (
     UtilityCall,
     UtilityMethod,
     UtilityResult,
+    make_request,
 )
 
 HEARTBEAT_S = 1.0

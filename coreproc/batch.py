@@ -35,9 +35,9 @@ from coreproc.batch_files import (
     record,
     scan_output,
 )
-from coreproc.errors import EmberError
+from coreproc.errors import EmberError, QueueFull
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import LoRARef, QueueFull
+from coreproc.protocol import LoRARef
 from coreproc.text import openai_protocol as oai
 from coreproc.text.chat_features import FEATURE_SECTIONS, ChatFeatures
 from coreproc.text.media import MediaIntake

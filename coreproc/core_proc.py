@@ -27,7 +27,7 @@ import zmq
 
 from coreproc.config import EngineConfig
 from coreproc.engine import EngineCore
-from coreproc.errors import EmberError
+from coreproc.errors import EmberError, InvalidParam, QueueFull
 from coreproc.executor import MultiprocExecutor, WorkerError, make_executor
 from coreproc.host import engine_version
 from coreproc.ipc import Codec, CurveServer, bind, check_private_dir, is_loopback_endpoint, remove_runtime_dir
@@ -42,9 +42,7 @@ from coreproc.protocol import (
     EngineInfo,
     EngineOutput,
     EngineRequest,
-    InvalidParam,
     OutputBatch,
-    QueueFull,
     RefusalCode,
     SchedulerStats,
     SubmitRequests,

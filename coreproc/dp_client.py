@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -24,39 +23,13 @@ from coreproc.protocol import (
     EngineInfo,
     EngineOutput,
     EngineRequest,
-    LoRARef,
-    MultiModalRef,
     SamplingParams,
     SchedulerStats,
+    make_request,
 )
 
 if TYPE_CHECKING:
     from coreproc.async_client import AsyncEngineClient
-
-
-def make_request(
-    prompt_token_ids: list[int],
-    params: SamplingParams | None = None,
-    *,
-    request_id: str | None = None,
-    priority: int = 0,
-    cache_salt: str | None = None,
-    eos_token_ids: list[int] | None = None,
-    mm_refs: list[MultiModalRef] | None = None,
-    lora: str | None = None,
-) -> EngineRequest:
-    """One sequence's `EngineRequest` (see `AsyncEngineClient.generate` for the arguments)."""
-    return EngineRequest(
-        request_id=request_id or uuid.uuid4().hex,
-        prompt_token_ids=list(prompt_token_ids),
-        sampling_params=params or SamplingParams(),
-        eos_token_ids=eos_token_ids or [],
-        arrival_time=time.time(),
-        priority=priority,
-        cache_salt=cache_salt,
-        lora=None if lora is None else LoRARef(lora, ""),
-        mm_refs=mm_refs or [],
-    )
 
 
 UNRESPONSIVE_AFTER_S = 10.0

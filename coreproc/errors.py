@@ -47,6 +47,18 @@ def _word(name: str) -> re.Pattern[str]:
     return re.compile(rf"\b{re.escape(name)}\b")
 
 
+class InvalidParam(EmberError, ValueError):
+    """A user-supplied value is out of range; `param` names it (OpenAI error bodies carry it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at its limit (`--max-num-queued-*`); retry later (HTTP 503)."""
+
+
 class WorkerError(RuntimeError):
     """A worker died or failed; the engine cannot continue. Not an `EmberError`: no flag fixes it.
     Raised by every executor (coreproc/executor.py, coreproc/ray_executor.py)."""

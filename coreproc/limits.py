@@ -17,9 +17,8 @@ from typing import Any
 
 import msgspec
 
-from coreproc.errors import ConfigError
+from coreproc.errors import ConfigError, InvalidParam
 from coreproc.options import option
-from coreproc.protocol import InvalidParam
 
 
 def _limit(default: int | None, help: str) -> Any:

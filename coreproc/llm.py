@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 from coreproc.config import EngineConfig
 from coreproc.dp_engine import DPEngine, make_engine
+from coreproc.errors import InvalidParam, QueueFull
 from coreproc.outputs import RequestOutput
-from coreproc.protocol import InvalidParam, LoRARef, MultiModalRef, QueueFull, SamplingParams, SchedulerStats
+from coreproc.protocol import LoRARef, MultiModalRef, SamplingParams, SchedulerStats
 from coreproc.startup import boot
 from coreproc.text.chat import chat_images, render_chat
 from coreproc.text.media import ImagePart, MediaIntake

@@ -20,7 +20,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from coreproc.protocol import InvalidParam, SamplingParams
+from coreproc.errors import InvalidParam
+from coreproc.protocol import SamplingParams
 
 ENTRY_POINT_GROUP = "ember.logits_processors"
 BUILTIN_SPECS = (

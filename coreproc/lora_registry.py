@@ -9,8 +9,9 @@ none of the old KV. Unloading refuses new requests; running ones finish on the w
 
 from __future__ import annotations
 
+from coreproc.errors import InvalidParam
 from coreproc.lora import LoRAAdapter, LoRAConfig, read_adapter
-from coreproc.protocol import InvalidParam, LoRARef
+from coreproc.protocol import LoRARef
 
 
 class LoRARegistry:

@@ -15,7 +15,8 @@ from collections import OrderedDict
 
 import msgspec
 
-from coreproc.protocol import EngineRequest, InvalidParam, MultiModalRef, PixelData
+from coreproc.errors import InvalidParam
+from coreproc.protocol import EngineRequest, MultiModalRef, PixelData
 
 
 class MultiModalCacheMiss(InvalidParam):

@@ -24,14 +24,16 @@ log = logging.getLogger("ember.config")
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
-# the model classes live in workers.models (torch); their names are what the config may accept
-ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "LlavaForConditionalGeneration",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+# The one registry of architectures: the Hugging Face `architectures` name -> "module:Class" of its
+# model (in workers.models, which imports torch: named, not imported). The config accepts these names,
+# workers.models.resolve imports the class, the preload zygote imports the modules ahead.
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "LlavaForConditionalGeneration": "workers.models.llava:LlavaForConditionalGeneration",
+    "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
+}
 # vision-language architectures: config.json nests the language model's config under `text_config`
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 QUANTIZATION_METHODS = ("fp8_per_tensor", "int8", "int4")  # built by workers.quant

@@ -12,11 +12,14 @@ decodes only its direction. Codes (finish reasons, refusals, utility methods) ar
 
 from __future__ import annotations
 
+import time
+import uuid
 from typing import Any, Literal, get_args
 
 import msgspec
 
-from coreproc.errors import EmberError
+from coreproc.errors import InvalidParam as InvalidParam  # kept here too: the SDK's import path
+from coreproc.errors import QueueFull as QueueFull
 
 # ----------------------------------------------------------------------------- codes
 
@@ -36,18 +39,6 @@ UtilityMethod = Literal["info", "stats", "reset_prefix_cache", "ping", "load_lor
 UTILITY_METHODS: tuple[UtilityMethod, ...] = get_args(UtilityMethod)
 CacheRequestKind = Literal["state", "ping"]  # give me the weights / are you ready?
 CacheStatus = Literal["ok", "mismatch", "error", "ready"]  # "ready" answers a "ping"
-
-
-class InvalidParam(EmberError, ValueError):
-    """A user-supplied value is out of range; `param` names it (OpenAI error bodies carry it)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class QueueFull(RuntimeError):
-    """The engine's waiting queue is at its limit (`--max-num-queued-*`); retry later (HTTP 503)."""
 
 
 # what a structured-output constraint is written in (see workers/structured.py)
@@ -212,6 +203,32 @@ class EngineRequest(msgspec.Struct, omit_defaults=True, kw_only=True, gc=False):
     cache_salt: str | None = None
     lora: LoRARef | None = None
     mm_refs: list[MultiModalRef] = []
+
+
+def make_request(
+    prompt_token_ids: list[int],
+    params: SamplingParams | None = None,
+    *,
+    request_id: str | None = None,
+    priority: int = 0,
+    cache_salt: str | None = None,
+    eos_token_ids: list[int] | None = None,
+    mm_refs: list[MultiModalRef] | None = None,
+    lora: str | None = None,
+) -> EngineRequest:
+    """One sequence's `EngineRequest`: a fresh id unless given, arrival now (what the clients submit;
+    see coreproc.async_client `AsyncEngineClient.generate` for the arguments)."""
+    return EngineRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=params or SamplingParams(),
+        eos_token_ids=eos_token_ids or [],
+        arrival_time=time.time(),
+        priority=priority,
+        cache_salt=cache_salt,
+        lora=None if lora is None else LoRARef(lora, ""),
+        mm_refs=mm_refs or [],
+    )
 
 
 class SubmitRequests(msgspec.Struct, array_like=True, gc=False):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from coreproc.config import EngineConfig
+from coreproc.errors import InvalidParam
 from coreproc.kv_cache import KVCacheManager
 from coreproc.logits_processors import ProcessorContext, engine_specs, load_processors
 from coreproc.lora_registry import LoRARegistry
@@ -30,7 +31,6 @@ from coreproc.protocol import (
     CachedRequestData,
     EngineOutput,
     EngineRequest,
-    InvalidParam,
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,

@@ -2,20 +2,23 @@
 
 Runs in the scheduler process (coreproc). `StepCounters` sums the figures of every step (the workers'
 `RunnerOutput` timings, preemptions, encoder-cache use); `scheduler_stats` joins them with the live
-queue and KV figures into a `SchedulerStats`; `describe` is the short state a stall report logs.
+queue and KV figures into a `SchedulerStats`; `describe` is the short state a stall report logs. Both
+read a scheduler through `Scheduling` (what they need of it), so this module does not import the
+scheduler that imports it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from coreproc.kv_cache import KVCacheManager
+from coreproc.mm_store import MediaStore
 from coreproc.protocol import RunnerOutput, SchedulerStats
-
-if TYPE_CHECKING:
-    from coreproc.request import Request
-    from coreproc.scheduler import Scheduler
+from coreproc.request import Request
+from coreproc.spec_control import SpecControl
+from coreproc.waiting import WaitingQueue
 
 
 @dataclass
@@ -43,7 +46,21 @@ class StepCounters:
         self.encoder_cache_misses += out.encoder_misses
 
 
-def scheduler_stats(sched: Scheduler) -> SchedulerStats:
+class Scheduling(Protocol):
+    """What the stats read of a scheduler (coreproc.scheduler.Scheduler has it all): its queues, its
+    KV cache, its media store, its counters and its speculation control."""
+
+    kv: KVCacheManager
+    running: list[Request]
+    waiting: WaitingQueue
+    requests: dict[str, Request]
+    media: MediaStore
+    counters: StepCounters
+    speculation: SpecControl | None
+    token_budget: int
+
+
+def scheduler_stats(sched: Scheduling) -> SchedulerStats:
     """The scheduler's part of the "stats" answer (the engine adds its progress: `has_work`, ...)."""
     kv = sched.kv
     return SchedulerStats(
@@ -64,7 +81,7 @@ def scheduler_stats(sched: Scheduler) -> SchedulerStats:
     )
 
 
-def describe(sched: Scheduler, limit: int = 8) -> dict:
+def describe(sched: Scheduling, limit: int = 8) -> dict:
     """The scheduler's state for a stall report: counts, free blocks and the first requests."""
 
     def brief(req: Request) -> str:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import bisect
 
+from coreproc.errors import InvalidParam, QueueFull
 from coreproc.limits import RequestLimits
 from coreproc.logits_processors import LogitsProcessor, validate_request
-from coreproc.protocol import EngineRequest, InvalidParam, QueueFull
+from coreproc.protocol import EngineRequest
 from coreproc.request import Request
 
 

@@ -12,9 +12,9 @@ import random
 from dataclasses import dataclass
 
 from coreproc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from coreproc.errors import QueueFull
 from coreproc.protocol import (
     EngineRequest,
-    QueueFull,
     RunnerOutput,
     SamplingParams,
     SchedulerOutput,

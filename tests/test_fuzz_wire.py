@@ -25,7 +25,6 @@ from wire_fuzz import ENC, FUZZ, Tally, core_messages, garbage
 
 from coreproc.client import EngineClient
 from coreproc.config import EngineConfig
-from coreproc.dp_client import make_request
 from coreproc.errors import WorkerError
 from coreproc.executor import MultiprocExecutor
 from coreproc.ipc import Codec, ProtocolError
@@ -50,6 +49,7 @@ from coreproc.protocol import (
     WorkerFailed,
     WorkerHello,
     WorkerReady,
+    make_request,
 )
 from coreproc.startup.launcher import CoreProcess
 from coreproc.startup.spawn import spawn_worker

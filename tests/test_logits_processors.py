@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from coreproc import LLM, SamplingParams
+from coreproc.errors import InvalidParam
 from coreproc.logits_processors import (
     ProcessorContext,
     Row,
@@ -23,7 +24,7 @@ from coreproc.logits_processors import (
     load_processors,
     processor_specs,
 )
-from coreproc.protocol import EngineRequest, InvalidParam
+from coreproc.protocol import EngineRequest
 from coreproc.scheduler import Scheduler
 from frontend.cli import main
 from tests.sched_util import make_config

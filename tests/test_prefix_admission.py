@@ -19,14 +19,13 @@ from hf_ref import check_logprobs_close, check_outputs_equal, hf_greedy
 
 from coreproc.config import ConfigError
 from coreproc.engine import EngineCore
+from coreproc.errors import InvalidParam, QueueFull
 from coreproc.kv_cache import KVCacheManager
 from coreproc.lora import LoRAConfig
 from coreproc.protocol import (
     EngineRequest,
-    InvalidParam,
     LoRARef,
     MultiModalRef,
-    QueueFull,
     SamplingParams,
     SchedulerOutput,
 )

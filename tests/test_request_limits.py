@@ -19,8 +19,9 @@ import pytest
 
 from coreproc.client import EngineClient, EngineRequestError
 from coreproc.config import ConfigError, EngineConfig, engine_options
+from coreproc.errors import InvalidParam
 from coreproc.limits import RequestLimits
-from coreproc.protocol import EngineRequest, InvalidParam, SamplingParams
+from coreproc.protocol import EngineRequest, SamplingParams
 from coreproc.scheduler import Scheduler
 from coreproc.startup.launcher import CoreProcess
 from coreproc.text.openai_protocol import RequestError, parse_chat_request, parse_completion_request

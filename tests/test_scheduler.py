@@ -14,7 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coreproc.protocol import EngineRequest, InvalidParam, RunnerOutput, SamplingParams, TokenLogprobs
+from coreproc.errors import InvalidParam
+from coreproc.protocol import EngineRequest, RunnerOutput, SamplingParams, TokenLogprobs
 from coreproc.scheduler import Scheduler
 from tests.sched_util import (
     EOS,

@@ -16,8 +16,9 @@ import re
 import pytest
 
 from coreproc import LLM, SamplingParams
+from coreproc.errors import InvalidParam
 from coreproc.logits_processors import Row
-from coreproc.protocol import InvalidParam, StructuredSpec
+from coreproc.protocol import StructuredSpec
 from coreproc.text.tokenizer import load_tokenizer
 from workers.structured import StructuredOutputs
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from coreproc.errors import InvalidParam
 from coreproc.logits_processors import LogitsProcessor, Row
-from coreproc.protocol import InvalidParam, SamplingParams
+from coreproc.protocol import SamplingParams
 
 MAX_BIAS = 100.0
 

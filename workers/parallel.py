@@ -5,7 +5,7 @@ with size 1 every collective is a no-op, so the single-device engine and the ref
 touch torch.distributed; with size > 1 it wraps a torch.distributed group (gloo on CPU, NCCL on CUDA).
 `PPGroup`: this rank's pipeline stage (which layers it holds) and the point-to-point link that takes
 a step's hidden states [T, hidden] from the same tensor-parallel rank of the previous stage and hands
-them to the next.
+them to the next. `local_placement` and `device_index`: where a rank sits on its node, and its GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coreproc.config import EngineConfig
 from coreproc.errors import ConfigError
 
 
@@ -89,3 +90,15 @@ class PPGroup:
         out = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
         dist.recv(out, self.prev_rank)
         return out
+
+
+def local_placement(config: EngineConfig, rank: int) -> int:
+    """A worker's place among the workers on its node: DP rank d, global rank g (stage * tp_size + TP
+    rank) -> d * ranks_per_node + g's index on its node (several nodes: g minus the node's first rank)."""
+    par = config.parallel
+    return par.data_parallel_rank * par.ranks_per_node + rank % par.ranks_per_node
+
+
+def device_index(config: EngineConfig, rank: int) -> int:
+    """The GPU of a worker: its place on its node (`local_placement`), modulo the GPUs present."""
+    return local_placement(config, rank) % max(1, torch.cuda.device_count())

@@ -129,7 +129,7 @@ class Worker:
         self.rank = self.pp.stage * self.tp.size + self.tp.rank  # among the engine's workers
         self.device = torch.device(config.device.resolved)
         if self.device.type == "cuda" and _index(self.device) is None:
-            from workers.weight_cache.fingerprint import device_index
+            from workers.parallel import device_index
 
             self.device = torch.device("cuda", device_index(config, self.rank))
         if self.device.type == "cuda":

@@ -85,7 +85,7 @@ def init_distributed(config: EngineConfig, rank: int, init_method: str) -> tuple
 
     backend = "nccl" if config.device.resolved_type == "cuda" else "gloo"
     if backend == "nccl":
-        from workers.weight_cache.fingerprint import device_index
+        from workers.parallel import device_index
 
         torch.cuda.set_device(device_index(config, rank))
     if par.nnodes == 1:

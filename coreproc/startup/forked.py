@@ -17,9 +17,9 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+from coreproc.channel import send_msg
 from coreproc.protocol import ServeExit, SpawnServe, SpawnWorker
 from coreproc.startup.spawn import ENV_PREFIXES
-from workers.weight_cache.channel import send_msg
 
 log = logging.getLogger("ember.zygote")
 

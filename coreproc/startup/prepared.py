@@ -27,10 +27,10 @@ from typing import NoReturn
 
 import msgspec
 
+from coreproc.channel import recv_msg, send_msg
 from coreproc.config import EngineConfig
 from coreproc.protocol import PreparedReady, PreparedTake, SpawnReply, SpawnWorker, ZygoteState
 from coreproc.startup import trace
-from workers.weight_cache.channel import recv_msg, send_msg
 
 log = logging.getLogger("ember.zygote")
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from coreproc.channel import recv_msg, send_msg
 from coreproc.protocol import SpawnWorker, ZygoteQuery, ZygoteState
 from coreproc.startup import standby
 from coreproc.startup.zygote_link import ForkedProcess, code_stamp, connect_zygote, fork_from, zygote_at
-from workers.weight_cache.channel import recv_msg, send_msg
 
 if TYPE_CHECKING:  # imported by `ember serve`'s launcher, which stays light
     from coreproc.config import EngineConfig

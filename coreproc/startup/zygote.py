@@ -28,11 +28,12 @@ import socket
 import sys
 from pathlib import Path
 
+from coreproc.channel import peer_uid, recv_msg, send_msg
+from coreproc.model_config import ARCHITECTURES
 from coreproc.protocol import SpawnReply, SpawnServe, SpawnWorker, ZygoteQuery, ZygoteRequest
 from coreproc.startup.forked import ROLE_MAINS, Spawn, child
 from coreproc.startup.prepared import PreparedSlot
 from coreproc.startup.zygote_link import ZYGOTE_SOCKET, code_stamp
-from workers.weight_cache.channel import peer_uid, recv_msg, send_msg
 
 log = logging.getLogger("ember.zygote")
 
@@ -46,10 +47,7 @@ ENGINE_MODULES = (
     "coreproc.core_proc",
     "workers.worker_proc",
     "workers.worker",
-    "workers.models.llama",
-    "workers.models.mistral",
-    "workers.models.qwen2",
-    "workers.models.qwen3",
+    *dict.fromkeys(target.split(":")[0] for target in ARCHITECTURES.values()),  # the model classes
     "workers.weight_cache.client",
     "workers.quant.fp8",
     "workers.quant.int8",

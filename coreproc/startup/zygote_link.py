@@ -20,8 +20,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from coreproc.channel import default_socket_dir, peer_creds, recv_frame, send_frame
 from coreproc.startup.orphan import exited
-from workers.weight_cache.channel import default_socket_dir, peer_creds, recv_frame, send_frame
 
 ZYGOTE_SOCKET = "zygote.sock"
 

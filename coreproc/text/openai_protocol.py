@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from coreproc.errors import EmberError
+from coreproc.errors import EmberError, InvalidParam
 from coreproc.limits import RequestLimits
-from coreproc.protocol import InvalidParam, SamplingParams, StructuredSpec
+from coreproc.protocol import SamplingParams, StructuredSpec
 from coreproc.text.openai_fields import (
     AssistantToolCall,
     FieldPolicy,

@@ -1,7 +1,7 @@
-"""Registry of model architectures, keyed by the Hugging Face `architectures` string.
+"""The model classes of the architecture registry (coreproc.model_config.ARCHITECTURES).
 
-Runs in worker processes (and is read by the config in every process). Entries name a module and a
-class so that looking up what is supported never imports torch; `resolve()` imports the class.
+Runs in worker processes. Entries name a module and a class so that looking up what is supported
+never imports torch; `resolve()` imports the class.
 """
 
 from __future__ import annotations
@@ -9,16 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from coreproc.model_config import ARCHITECTURES
+
 if TYPE_CHECKING:
     from workers.models.llama import LlamaForCausalLM
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
-    "LlavaForConditionalGeneration": "workers.models.llava:LlavaForConditionalGeneration",
-    "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
-    "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
-    "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
-}
+SUPPORTED_ARCHITECTURES = ARCHITECTURES  # the registry lives in the shared base (coreproc.model_config)
 
 
 def resolve(architecture: str) -> type[LlamaForCausalLM]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from coreproc.channel import default_socket_dir, peer_creds, peer_uid, recv_msg, send_msg
 from coreproc.config import EngineConfig
 from coreproc.protocol import CacheReply, CacheRequest
 from coreproc.startup import trace
@@ -27,7 +28,6 @@ from workers.models.layers import VocabEmbedding
 from workers.parallel import TPGroup
 from workers.quant.base import QuantLayer
 from workers.weight_cache.arena import import_cpu, import_cuda, install, keep_mapping
-from workers.weight_cache.channel import default_socket_dir, peer_creds, peer_uid, recv_msg, send_msg
 from workers.weight_cache.fingerprint import (
     device_identity,
     fingerprint,

@@ -28,19 +28,14 @@ import msgspec
 import torch
 import zmq
 
+from coreproc.channel import close_fds, peer_uid, recv_msg, send_msg
 from coreproc.config import EngineConfig
 from coreproc.ipc import Codec
 from coreproc.protocol import CacheReply, CacheRequest, DaemonReady
 from workers.loader import release_load_memory
+from workers.parallel import device_index
 from workers.weight_cache.arena import CpuArena, export_cuda, module_attrs, named_tensors, repoint
-from workers.weight_cache.channel import close_fds, peer_uid, recv_msg, send_msg
-from workers.weight_cache.fingerprint import (
-    device_identity,
-    device_index,
-    differences,
-    fingerprint,
-    linear_kernel,
-)
+from workers.weight_cache.fingerprint import device_identity, differences, fingerprint, linear_kernel
 
 log = logging.getLogger("ember.preload")
 REQUEST_TIMEOUT = 30.0  # seconds a peer has to send its request and take the reply

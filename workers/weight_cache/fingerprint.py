@@ -5,8 +5,8 @@ names, raw safetensors headers (names, dtypes, shapes, offsets) or a GGUF file's
 few small samples of the data, so it does not read the weights and does not depend on the folder's
 path. The device identity is the GPU UUID on CUDA and the host's machine id plus boot id on CPU
 (shared memory does not survive a reboot). The global placement counts too: the rank, and across
-nodes the number of nodes and the node holding the rank. Also here: socket paths and the private socket
-directory's safety checks.
+nodes the number of nodes and the node holding the rank (where a rank sits and its GPU:
+workers/parallel.py). Also here: socket paths and the private socket directory's safety checks.
 """
 
 from __future__ import annotations
@@ -75,20 +75,6 @@ def config_hash(model_dir: str) -> str:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     cfg.pop("transformers_version", None)
     return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
-
-
-def local_placement(config: EngineConfig, rank: int) -> int:
-    """A worker's place among the workers on its node: DP rank d, global rank g (stage * tp_size + TP
-    rank) -> d * ranks_per_node + g's index on its node (several nodes: g minus the node's first rank)."""
-    par = config.parallel
-    return par.data_parallel_rank * par.ranks_per_node + rank % par.ranks_per_node
-
-
-def device_index(config: EngineConfig, rank: int) -> int:
-    """The GPU of a worker: its place on its node (`local_placement`), modulo the GPUs present."""
-    import torch
-
-    return local_placement(config, rank) % max(1, torch.cuda.device_count())
 
 
 def device_identity(device_type: str, index: int = 0) -> str:

@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def socket_dir(args: argparse.Namespace) -> Path:
-    from workers.weight_cache.channel import default_socket_dir
+    from coreproc.channel import default_socket_dir
     from workers.weight_cache.fingerprint import check_socket_dir
 
     given = args.socket_dir is not None
@@ -68,7 +68,8 @@ def socket_dir(args: argparse.Namespace) -> Path:
 
 
 def placements(config: EngineConfig, draft: EngineConfig | None, directory: Path) -> list[Placement]:
-    from workers.weight_cache.fingerprint import device_identity, local_placement, socket_path
+    from workers.parallel import local_placement
+    from workers.weight_cache.fingerprint import device_identity, socket_path
 
     out = []
     par = config.parallel

@@ -1,11 +1,11 @@
-"""Framing on a preload daemon's or the zygote's Unix socket: one msgspec message each way, file
-descriptors alongside.
+"""Unix-socket messages with file descriptors: one msgspec message each way, descriptors alongside.
 
-Runs in preload daemons, the zygote, engine processes and the `ember` launcher. A message is an 8-byte
-big-endian length sent with `sendmsg` (file descriptors ride on it as SCM_RIGHTS), then the body:
-msgpack, or JSON on the zygote's socket (which the launcher writes with the standard library; msgspec
-is imported at the first message, not with this module). The peer's uid is read
-with SO_PEERCRED: both sides refuse a peer that is not the same user.
+Part of the shared base (beside `ipc`, the ZeroMQ side). Runs in preload daemons, the zygote, engine
+processes and the `ember` launcher. A message is an 8-byte big-endian length sent with `sendmsg`
+(file descriptors ride on it as SCM_RIGHTS), then the body: msgpack, or JSON on the zygote's socket
+(which the launcher writes with the standard library; msgspec is imported at the first message, not
+with this module). The peer's uid is read with SO_PEERCRED: both sides refuse a peer that is not the
+same user.
 """
 
 from __future__ import annotations
