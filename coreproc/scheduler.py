@@ -39,6 +39,7 @@ from coreproc.protocol import (
 from coreproc.request import Request, RequestStatus
 from coreproc.scheduler_stats import StepCounters, describe, scheduler_stats
 from coreproc.spec_control import SpecControl
+from coreproc.step_plan import StepPlan, chunk, prefill_share
 from coreproc.waiting import WaitingQueue, validate
 
 
@@ -200,37 +201,11 @@ class Scheduler:
         return self.kv.allocate_slots(req, n + self.lookahead) or []
 
     def _prefill_share(self) -> int | None:
-        """Tokens a long prefill may take this step when several prefills compete (None: no cap)."""
-        if not self.long_prefill:
-            return None
-        prefills = decodes = 0
-        for req in self.running:
-            if req.num_tokens + req.num_output_placeholders - req.num_computed_tokens > 1:
-                prefills += 1
-            else:
-                decodes += 1
-        prefills += min(len(self.waiting), max(0, self.max_running - len(self.running)))
-        if prefills < 2:
-            return None
-        return max(1, (self.token_budget - decodes) // prefills)
+        waiting = min(len(self.waiting), max(0, self.max_running - len(self.running)))
+        return prefill_share(self.running, waiting, self.token_budget, self.long_prefill)
 
     def _chunk(self, req: Request, computed: int, budget: int, share: int | None) -> int:
-        n = self._num_new_tokens(req, computed, budget)
-        if share is not None and n > self.long_prefill:
-            n = min(n, share)
-        return n
-
-    def _num_new_tokens(self, req: Request, computed: int, budget: int) -> int:
-        pending = req.num_output_placeholders
-        if pending:
-            # a step in flight samples this request's next token; skip if that token must be its last
-            max_tokens = req.sampling_params.max_tokens
-            if max_tokens is not None and req.num_output_tokens + pending >= max_tokens:
-                return 0
-            if req.num_tokens + pending >= self.max_model_len:
-                return 0
-        total = req.num_tokens + pending
-        return max(0, min(total - computed, budget, self.max_model_len - computed))
+        return chunk(req, computed, budget, share, self.long_prefill, self.max_model_len)
 
     def schedule(self) -> SchedulerOutput:
         start = time.perf_counter()
@@ -239,18 +214,29 @@ class Scheduler:
         return out
 
     def _schedule(self) -> SchedulerOutput:
-        budget = self.token_budget
-        scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        preempted = False
-        share = self._prefill_share()
-        spec_tokens: dict[str, list[int]] = {}
-        most = self.micro.step_seqs(len(self.running) + len(self.waiting))
+        """One step, in phases: the running requests (preempting when the cache is full), then the
+        waiting ones admitted into what is left, then the step's message to the workers."""
+        plan = StepPlan(
+            budget=self.token_budget,
+            share=self._prefill_share(),
+            most=self.micro.step_seqs(len(self.running) + len(self.waiting)),
+        )
+        self._schedule_running(plan)
+        if not plan.preempted:  # a step that preempts admits nobody
+            self._admit_waiting(plan)
+        return self._emit(plan)
 
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Each running request's next chunk (a decode token, a prefill chunk, proposals to verify),
+        in order, while the budget lasts; a full cache preempts the victim policy's choice."""
         i = 0
-        while i < len(self.running) and budget > 0 and len(scheduled) < most:
+        while i < len(self.running) and plan.budget > 0 and len(plan.scheduled) < plan.most:
             req = self.running[i]
-            n = 0 if self.micro.busy(req) else self._chunk(req, req.num_computed_tokens, budget, share)
+            n = (
+                0
+                if self.micro.busy(req)
+                else self._chunk(req, req.num_computed_tokens, plan.budget, plan.share)
+            )
             if n == 0:
                 i += 1
                 continue
@@ -259,34 +245,35 @@ class Scheduler:
                 victim = self._victim()
                 index = self.running.index(victim)
                 self._preempt(victim)
-                preempted = True
+                plan.preempted = True
                 if victim is req:
                     break
                 if index < i:  # undo a request already scheduled in this step
                     i -= 1
-                    budget += scheduled.pop(victim.request_id, 0)
-                    new_blocks.pop(victim.request_id, None)
-                    spec_tokens.pop(victim.request_id, None)
+                    plan.drop(victim.request_id)
                 ids = self.kv.allocate_slots(req, n)
             if ids is None:
                 continue
-            scheduled[req.request_id] = n
-            new_blocks[req.request_id] = ids
-            budget -= n
+            plan.scheduled[req.request_id] = n
+            plan.new_blocks[req.request_id] = ids
+            plan.budget -= n
             i += 1
             if req.spec_token_ids and n == 1:
-                budget -= self._schedule_spec(req, budget, scheduled, new_blocks, spec_tokens)
+                plan.budget -= self._schedule_spec(
+                    req, plan.budget, plan.scheduled, plan.new_blocks, plan.spec_tokens
+                )
             elif self.lookahead:
-                new_blocks[req.request_id] += self._reserve_lookahead(req, n)
+                plan.new_blocks[req.request_id] += self._reserve_lookahead(req, n)
 
-        admitted: list[Request] = []
+    def _admit_waiting(self, plan: StepPlan) -> None:
+        """Waiting requests, in the queue's order, while the budget, the running limit, the KV cache
+        and the step's adapter limit allow (their cached prefix counted as computed)."""
         adapters = {r.lora.identity for r in self.running if r.lora is not None}  # weights, not names
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
+            self.waiting
+            and plan.budget > 0
             and len(self.running) < self.max_running
-            and len(scheduled) < most
+            and len(plan.scheduled) < plan.most
         ):
             req = self.waiting.peek()
             if req.lora is not None and req.lora.identity not in adapters:
@@ -294,7 +281,7 @@ class Scheduler:
                     break  # a step mixes at most --max-loras adapters; it waits for one to finish
                 adapters.add(req.lora.identity)
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
-            n = self._chunk(req, num_hit, budget, share)
+            n = self._chunk(req, num_hit, plan.budget, plan.share)
             ids = self.kv.allocate_slots(req, n, hit_blocks) if n > 0 else None
             if ids is None:
                 break
@@ -304,12 +291,15 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             self.running.append(req)
-            admitted.append(req)
-            scheduled[req.request_id] = n
-            budget -= n
+            plan.scheduled[req.request_id] = n
+            plan.budget -= n
             if self.lookahead:
                 self._reserve_lookahead(req, n)
 
+    def _emit(self, plan: StepPlan) -> SchedulerOutput:
+        """The step's `SchedulerOutput`: a new request whole, one the workers hold as its new blocks
+        and tokens; each scheduled request's progress advanced, its sampled token counted as pending."""
+        scheduled, spec_tokens = plan.scheduled, plan.spec_tokens
         out = SchedulerOutput(
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
@@ -319,14 +309,14 @@ class Scheduler:
         self._forget = []
         drafting: list[Request] = []  # decoding requests this step samples, with a draft model
         for req in self.running:
-            num = scheduled.get(req.request_id)  # (not `n`: that name holds an int above)
+            num = scheduled.get(req.request_id)
             if num is None:
                 continue
             if req.in_workers:
                 out.cached_requests.append(
                     CachedRequestData(
                         req.request_id,
-                        new_blocks[req.request_id],
+                        plan.new_blocks[req.request_id],
                         req.num_computed_tokens,
                         self.micro.new_tokens(req),
                     )
