@@ -78,6 +78,20 @@ def _logprob_entries(
     ]
 
 
+@dataclass
+class StepBatch:
+    """One step's requests in batch order and their inputs (`ModelRunner._prepare`)."""
+
+    req_ids: list[str]
+    states: list[RequestState]
+    q_lens: list[int]  # tokens scheduled per request
+    seq_lens: list[int]  # each request's length at the end of this step
+    specs: list[list[int]]  # proposed tokens to verify, per request
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler of one worker."""
 
@@ -138,12 +152,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One step, in phases: the batch's inputs, the forward pass, sampling (and verifying
+        proposals), the draft's next proposals, each request's progress."""
         self.update_states(out)
         if out.total_num_scheduled_tokens == 0:
             return RunnerOutput()
-        # decodes (one query token) first: the attention backend runs them with the decode kernel
+        batch = self._prepare(out)
+        began = time.perf_counter()
+        hidden, failed, images = self._forward(batch)
+        if not self.samples:
+            return RunnerOutput(forward_seconds=time.perf_counter() - began)
+        output, sample_rows = self._sample(batch, hidden, began)
+        self._gather_failures(output, failed, images)
+        if self.draft is not None and sample_rows:
+            self._propose(batch, sample_rows, out.draft_lengths, output)
+        output.prompt_logprobs = self._prompt_logprobs(
+            batch.req_ids, batch.states, batch.q_lens, batch.seq_lens, hidden, batch.meta
+        )
+        self._advance(batch, output)
+        return output
+
+    def _prepare(self, out: SchedulerOutput) -> StepBatch:
+        """The step's requests in batch order (decodes first: the attention backend runs them with
+        the decode kernel; with adapters, each adapter's requests together), their tokens, positions
+        and attention metadata."""
         req_ids = sorted(out.num_scheduled_tokens, key=lambda r: out.num_scheduled_tokens[r] != 1)
-        if self.lora is not None:  # and each adapter's requests together (its tokens in runs)
+        if self.lora is not None:
             req_ids.sort(key=lambda r: (out.num_scheduled_tokens[r] != 1, _adapter(self.requests[r])))
         states = [self.requests[r] for r in req_ids]
         q_lens = [out.num_scheduled_tokens[r] for r in req_ids]
@@ -160,27 +194,35 @@ class ModelRunner:
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        began = time.perf_counter()
-        lora_failed = (
-            {} if self.lora is None else self.lora.prepare([s.lora for s in states], q_lens, req_ids)
+        return StepBatch(req_ids, states, q_lens, seq_lens, specs, ids_t, pos_t, meta)
+
+    def _forward(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, str], StepImages | None]:
+        """The hidden states of every scheduled token; the requests whose adapter failed, the step's
+        images (their embeddings replace the placeholders' first)."""
+        failed = (
+            {}
+            if self.lora is None
+            else self.lora.prepare([s.lora for s in batch.states], batch.q_lens, batch.req_ids)
         )
-        images = self._step_images(req_ids, states, q_lens, seq_lens, meta)
-        if images is not None and images.rows:  # placeholders take the images' embeddings
+        images = self._step_images(batch.req_ids, batch.states, batch.q_lens, batch.seq_lens, batch.meta)
+        ids_t, pos_t, meta = batch.input_ids, batch.positions, batch.meta
+        if images is not None and images.rows:
             embeds = self.model.model.embed_tokens(ids_t)
             for row, rows in images.rows:
                 embeds[row : row + rows.shape[0]] = rows.to(embeds.dtype)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds)
-        elif self.lora is not None and self.lora.step.slots is not None:  # deltas live in the modules
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-        else:
-            hidden = self.forward(ids_t, pos_t, self.kv_caches, meta)
-        if not self.samples:
-            return RunnerOutput(forward_seconds=time.perf_counter() - began)
-        ends = meta.query_start_loc_cpu[1:]
-        # a request samples when its chunk reaches its last token: one row for that position, plus one
-        # per proposed token (verification); row j sees the output as if proposals < j were accepted
+            return self.model(ids_t, pos_t, self.kv_caches, meta, inputs_embeds=embeds), failed, images
+        if self.lora is not None and self.lora.step.slots is not None:  # deltas live in the modules
+            return self.model(ids_t, pos_t, self.kv_caches, meta), failed, images
+        return self.forward(ids_t, pos_t, self.kv_caches, meta), failed, images
+
+    def _sample(self, batch: StepBatch, hidden: torch.Tensor, began: float) -> tuple[RunnerOutput, list[int]]:
+        """Sampled tokens of the requests whose chunk reaches their last token (one row for that
+        position, plus one per proposed token to verify: row j sees the output as if proposals < j
+        were accepted); the rows' batch indices."""
+        states, specs, req_ids = batch.states, batch.specs, batch.req_ids
+        ends = batch.meta.query_start_loc_cpu[1:]
         sample_rows = [
-            i for i, (s, end) in enumerate(zip(states, seq_lens)) if end == s.num_tokens + len(specs[i])
+            i for i, (s, end) in enumerate(zip(states, batch.seq_lens)) if end == s.num_tokens + len(specs[i])
         ]
         positions_at = [
             ends[i] - 1 - len(specs[i]) + j for i in sample_rows for j in range(len(specs[i]) + 1)
@@ -192,30 +234,44 @@ class ModelRunner:
         output = self._collect(req_ids, states, specs, sample_rows, result)
         output.forward_seconds = forwarded - began  # on CUDA without a sync: launches, the rest lands below
         output.sample_seconds = time.perf_counter() - forwarded
+        return output, sample_rows
+
+    def _gather_failures(
+        self, output: RunnerOutput, failed: dict[str, str], images: StepImages | None
+    ) -> None:
+        """Requests failed by structured outputs, adapters or images, and those phases' figures."""
         if self.structured is not None:
             output.failed = self.structured.pop_failed()
             output.structured_seconds = self.structured.pop_seconds()
-        if lora_failed:
-            output.failed = {**output.failed, **lora_failed}
+        if failed:
+            output.failed = {**output.failed, **failed}
         if images is not None:
             output.failed = {**output.failed, **images.failed}
             output.encoder_hits, output.encoder_misses = images.hits, images.misses
-        if self.draft is not None and sample_rows:
-            drafting = time.perf_counter()
-            jobs = []
-            for i in sample_rows:
-                s, k = states[i], out.draft_lengths.get(req_ids[i], self.draft.k)
-                jobs.append(DraftJob(s.token, s.num_tokens, s.block_ids, s.draft, k))
-            proposals = self.draft.propose(jobs)
-            output.spec_token_ids = {req_ids[i]: p for i, p in zip(sample_rows, proposals) if p}
-            output.draft_seconds = time.perf_counter() - drafting
-            output.draft_forwards = self.draft.pop_forwards()
-        output.prompt_logprobs = self._prompt_logprobs(req_ids, states, q_lens, seq_lens, hidden, meta)
-        for s, q, spec, tokens in zip(states, q_lens, specs, output.sampled_token_ids):
+
+    def _propose(
+        self, batch: StepBatch, sample_rows: list[int], lengths: dict[str, int], output: RunnerOutput
+    ) -> None:
+        """The draft model's next proposals for the requests that sampled (`lengths`: the
+        scheduler's per-request proposal length, else the draft's k)."""
+        assert self.draft is not None, "called with a draft model"
+        drafting = time.perf_counter()
+        jobs = []
+        for i in sample_rows:
+            s, k = batch.states[i], lengths.get(batch.req_ids[i], self.draft.k)
+            jobs.append(DraftJob(s.token, s.num_tokens, s.block_ids, s.draft, k))
+        proposals = self.draft.propose(jobs)
+        output.spec_token_ids = {batch.req_ids[i]: p for i, p in zip(sample_rows, proposals) if p}
+        output.draft_seconds = time.perf_counter() - drafting
+        output.draft_forwards = self.draft.pop_forwards()
+
+    def _advance(self, batch: StepBatch, output: RunnerOutput) -> None:
+        """Each request's computed tokens (rejected proposals not counted); images no longer needed
+        released."""
+        for s, q, spec, tokens in zip(batch.states, batch.q_lens, batch.specs, output.sampled_token_ids):
             s.num_computed_tokens += q - (len(spec) - max(0, len(tokens) - 1) if spec else 0)
             if s.images is not None:
                 s.images.release(s.num_computed_tokens)
-        return output
 
     def _step_images(
         self,
