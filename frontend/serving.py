@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Send
@@ -33,8 +32,7 @@ from coreproc.client import EngineDeadError, EngineRequestError
 from coreproc.dp_client import DPEngineClient
 from coreproc.limits import RequestLimits
 from coreproc.protocol import EngineInfo, EngineOutput, EngineRequest, FinishReason, LoRARef, SamplingParams
-from coreproc.text import openai_responses as oresp
-from coreproc.text.chat_features import ChatFeatures, OutputParser
+from coreproc.text.chat_features import ChatFeatures
 from coreproc.text.media import MediaIntake
 from coreproc.text.media_config import MediaConfig
 from coreproc.text.openai_fields import FieldPolicy
@@ -47,8 +45,8 @@ from coreproc.text.openai_protocol import (
 from coreproc.text.output_processor import OutputProcessor, SequenceDelta
 from coreproc.text.render import Prompt, render_prompts, response_body, take_images_async
 from frontend.metrics import EngineMetrics, RequestTimer
+from frontend.sse_chunks import ChunkWriter, sse
 
-_json = msgspec.json.Encoder()
 log = logging.getLogger("ember.server")
 
 
@@ -283,89 +281,24 @@ async def respond(gen: Generation, request: Request) -> Response:
     return JSONResponse(body)
 
 
-def _sse(obj: dict) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
-
-
 async def stream(gen: Generation) -> AsyncIterator[bytes]:
-    """SSE chunks for a streaming request (completion or chat), then `data: [DONE]`."""
-    req, ctx = gen.req, gen.ctx
-    chat = isinstance(req, ChatCompletionRequest)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{gen.hexid}"
-    head = (rid, gen.model_name, gen.created)
-    sent_text: dict[int, int] = {}  # choice index -> characters sent (completion text offsets)
-    parsers: dict[int, OutputParser | None] = {}  # chat choice index -> its reasoning / tool-call parser
+    """SSE chunks for a streaming request (completion or chat: frontend/sse_chunks.py), then
+    `data: [DONE]`; an engine that fails mid-stream is an error event."""
+    chunks = ChunkWriter(gen)
     reason: FinishReason = "abort"
     try:
-        if chat:
-            n = gen.params[0].n
-            yield _sse(
-                oresp.chat_chunk(*head, [oresp.chat_delta(i, role="assistant", content="") for i in range(n)])
-            )
-        elif req.echo:
-            for k, prompt in enumerate(gen.prompts):
-                for i in range(req.n):
-                    sent_text[k * req.n + i] = len(prompt.text or "")
-                    choice = {
-                        "index": k * req.n + i,
-                        "text": prompt.text or "",
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                    yield _sse(oresp.completion_chunk(*head, [choice]))
+        for chunk in chunks.opening():
+            yield chunk
         async for d in gen.deltas():
-            if not d.text and not d.token_ids and d.finish_reason is None:
-                continue
-            finish = oresp.openai_finish_reason(d.finish_reason)
-            if chat:
-                lp = None
-                if req.logprobs and d.logprobs is not None:
-                    lp = oresp.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs or 0)
-                if d.choice_index not in parsers:
-                    parsers[d.choice_index] = ctx.features.output_parser(
-                        req, ctx.tokenizer, gen.prompts[0].ids
-                    )
-                parser = parsers[d.choice_index]
-                if parser is None:
-                    choice = oresp.chat_delta(
-                        d.choice_index, content=d.text, logprobs=lp, finish_reason=finish
-                    )
-                    yield _sse(oresp.chat_chunk(*head, [choice]))
-                    continue
-                pieces = parser.feed(d.text, final=finish is not None)
-                if not pieces and finish is None and lp is None:
-                    continue  # text held back (a tag may be starting)
-                pieces = pieces or [{}]
-                for k, piece in enumerate(pieces):  # logprobs and the finish reason ride on the last
-                    last = k == len(pieces) - 1
-                    choice = oresp.chat_delta(
-                        d.choice_index,
-                        logprobs=lp if last else None,
-                        finish_reason=parser.finish_reason(finish) if last else None,
-                        fields=piece,
-                    )
-                    yield _sse(oresp.chat_chunk(*head, [choice]))
-                continue
-            index = d.choice_index
-            lp = None
-            if req.logprobs is not None and d.logprobs is not None:
-                lp = oresp.completion_logprobs(
-                    d.token_ids,
-                    d.logprobs,
-                    ctx.decode,
-                    sent_text.get(index, 0),
-                    as_ids=req.return_tokens_as_token_ids,
-                )
-            sent_text[index] = sent_text.get(index, 0) + len(d.text)
-            choice = {"index": index, "text": d.text, "logprobs": lp, "finish_reason": finish}
-            yield _sse(oresp.completion_chunk(*head, [choice]))
+            for chunk in chunks.delta(d):
+                yield chunk
         reason = "stop"
-        if req.stream_options is not None and req.stream_options.include_usage:
-            usage = oresp.usage_of(gen.results())
-            yield _sse((oresp.chat_chunk if chat else oresp.completion_chunk)(*head, [], usage))
+        usage = chunks.usage()
+        if usage is not None:
+            yield usage
     except (EngineDeadError, EngineRequestError) as e:
         reason = "error"
-        yield _sse(refusal_error(e).error_body())
+        yield sse(refusal_error(e).error_body())
     finally:
         await gen.close(reason)
     yield b"data: [DONE]\n\n"
