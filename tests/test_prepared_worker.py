@@ -122,3 +122,23 @@ def test_what_a_worker_is_prepared_for(model):
         EngineConfig.create(model=model, dtype="float32", load_format="ipc_cache", tensor_parallel_size=2),
     ):
         assert key(config=msgspec.json.encode(changed)) == ""
+
+
+@pytest.mark.unit
+def test_a_worker_prepared_only_from_the_cache_never_loads_from_disk(model, tmp_path, monkeypatch):
+    """Where the cache does not answer, preparing fails at once: a prepared worker holding a private
+    copy of the weights read from disk would double the host's memory."""
+    import workers.worker as worker_module
+    from workers.worker import Worker
+
+    def no_disk(*_: object, **__: object) -> None:
+        raise AssertionError("loaded from disk")
+
+    monkeypatch.setattr(worker_module, "build_model", no_disk)
+    sockets = tmp_path / "none"
+    sockets.mkdir(mode=0o700)
+    config = EngineConfig.create(
+        model=model, dtype="float32", load_format="ipc_cache", socket_dir=str(sockets)
+    )
+    with pytest.raises(RuntimeError, match="not the preload cache's"):
+        Worker(config).prepare(show_progress=False, cache_only=True)

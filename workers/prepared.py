@@ -74,9 +74,7 @@ def prepare(req: SpawnWorker) -> PreparedWorker:
     path = cache_socket(config, torch.device("cpu"), 0)
     daemon = daemon_pid(path)
     worker = new_worker(config, args.rank, args.runtime_dir)
-    ready = worker.prepare(show_progress=False)
-    if ready.weights.source != "ipc_cache":
-        raise RuntimeError(f"the preload cache did not answer ({ready.weights.cache_fallback_reason})")
+    ready = worker.prepare(show_progress=False, cache_only=True)  # never a private copy from disk
     fault_in(ready.weights.model)
     if daemon == 0 or daemon_pid(path) != daemon:
         raise RuntimeError(f"the preload daemon at {path} changed while the worker was prepared")

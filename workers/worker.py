@@ -147,12 +147,13 @@ class Worker:
         """Whether this worker's step results carry the sampled tokens (the last stage's TP rank 0)."""
         return self.pp.is_last and self.tp.rank == 0
 
-    def prepare(self, show_progress: bool = True) -> Prepared:
+    def prepare(self, show_progress: bool = True, cache_only: bool = False) -> Prepared:
         """The start-up's phases that depend on the config alone: the weights (and draft) loaded, the
         kernels picked. `load` runs them unless a prepared worker (workers/prepared.py) ran them
-        before its restart came."""
+        before its restart came. `cache_only`: the weights from the preload cache or a RuntimeError
+        saying why not (never from disk)."""
         with trace.phase("load weights"):
-            weights = self.load_weights(show_progress)
+            weights = self.load_weights(show_progress, cache_only)
         draft = self.load_draft(show_progress)
         if weights.source != "ipc_cache" or draft is not None:
             release_load_memory()
@@ -216,13 +217,16 @@ class Worker:
             cache_fallback_reason=weights.cache_fallback_reason,
         )
 
-    def load_weights(self, show_progress: bool) -> LoadedWeights:
+    def load_weights(self, show_progress: bool, cache_only: bool = False) -> LoadedWeights:
         """The target model: mapped from a preload daemon when asked (and it answers), else built and
-        loaded from disk and quantized; on CPU then moved into `weights_file` when one is given."""
+        loaded from disk and quantized (`cache_only`: a RuntimeError instead); on CPU then moved into
+        `weights_file` when one is given."""
         cfg = self.config
         model, seconds, quant_seconds, fallback = None, 0.0, 0.0, ""
         if cfg.load.load_format == "ipc_cache":
             model, seconds, fallback = self._from_cache()
+        if model is None and cache_only:
+            raise RuntimeError(f"the weights are not the preload cache's ({fallback or 'not asked for'})")
         source = "ipc_cache" if model is not None else "disk"
         if model is None:
             model, seconds, quant_seconds = build_model(

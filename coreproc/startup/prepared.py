@@ -15,6 +15,7 @@ connection to the zygote closing (the zygote gone, or replacing it) ends it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -166,11 +167,12 @@ def run_prepared(req: SpawnWorker, conn: socket.socket, closing: list[int]) -> N
             os.sched_setaffinity(0, req.affinity)
         try:
             prepared = importlib.import_module(PREPARED_WORKER).prepare(req)
-        except Exception as e:  # the zygote forks fresh workers instead
-            send_msg(conn, PreparedReady(error=f"{type(e).__name__}: {e}"))
-            raise
-        send_msg(conn, PreparedReady())
+        except Exception as e:  # the zygote logs it in one line and forks fresh workers instead
+            with contextlib.suppress(OSError):
+                send_msg(conn, PreparedReady(error=f"{type(e).__name__}: {e}"))
+            os._exit(1)
         try:
+            send_msg(conn, PreparedReady())
             take, fds = recv_msg(conn, PreparedTake)
         except (ConnectionError, OSError, ValueError):  # the zygote is gone, or wants another worker
             os._exit(0)
