@@ -263,3 +263,34 @@ def test_the_launchers_json_request_is_the_protocols_spawn_serve(monkeypatch):
         affinity=sorted(os.sched_getaffinity(0)),
     )
     assert set(json.loads(body)) == {"type", *SpawnServe.__struct_fields__}
+
+
+@pytest.mark.unit
+def test_a_zygote_of_an_older_ember_is_refused_in_one_line(tmp_path):
+    """A zygote started before an upgrade that changed its wire (it answered msgpack) makes the
+    requester start its process itself: a RuntimeError its callers handle, not a decode error."""
+    import threading
+
+    from coreproc.channel import recv_frame, send_msg
+    from coreproc.protocol import SpawnReply
+    from coreproc.startup.zygote_link import fork_from
+
+    path = tmp_path / "zygote.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def old_zygote() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            recv_frame(conn)
+            send_msg(conn, SpawnReply(error="no"))  # msgpack, as zygotes did before
+
+    serving = threading.Thread(target=old_zygote)
+    serving.start()
+    try:
+        with pytest.raises(RuntimeError, match="restart ember preload"):
+            fork_from(path, b'{"type": "SpawnServe"}', [])
+    finally:
+        serving.join(10)
+        listener.close()

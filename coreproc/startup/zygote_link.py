@@ -79,17 +79,24 @@ def connect_zygote(path: Path, timeout: float = 10.0) -> socket.socket:
 
 def fork_from(path: Path, request: bytes, fds: list[int]) -> ForkedProcess:
     """Ask the zygote at `path` to fork the process of `request` (a `SpawnServe` or `SpawnWorker` as
-    JSON), handing it `fds` (our standard streams); RuntimeError with the zygote's refusal."""
+    JSON), handing it `fds` (our standard streams); RuntimeError with the zygote's refusal, or when
+    its answer is not one (a zygote of an older Ember, which spoke msgpack)."""
     conn = connect_zygote(path)
     try:
         send_frame(conn, request, fds)
-        reply, got = recv_json(conn)
-        for fd in got:
-            os.close(fd)
-        if reply.get("error"):
-            raise RuntimeError(reply["error"])
+        try:
+            reply, got = recv_json(conn)
+            for fd in got:
+                os.close(fd)
+            if reply.get("error"):
+                raise RuntimeError(reply["error"])
+            pid = int(reply["pid"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise RuntimeError(
+                f"the zygote's answer is not one this Ember reads ({e}); restart ember preload"
+            ) from None
         conn.settimeout(None)
-        return ForkedProcess(int(reply["pid"]), conn)
+        return ForkedProcess(pid, conn)
     except BaseException:
         conn.close()
         raise
@@ -120,7 +127,7 @@ class ForkedProcess:
             for fd in fds:
                 os.close(fd)
             return int(msg["code"])
-        except (OSError, ConnectionError, ValueError):
+        except (OSError, ConnectionError, ValueError, KeyError, TypeError):  # no answer, or not one
             return -1
         finally:
             self.conn.close()
