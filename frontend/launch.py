@@ -54,7 +54,7 @@ def serve_from(zygote: Path, argv: list[str]) -> int | None:
     try:
         with trace.phase("fork the server from the zygote", "ember (launcher)"):
             server = fork_from(zygote, json.dumps(request).encode(), [0, 1, 2])
-    except (OSError, ConnectionError, RuntimeError, ValueError) as e:
+    except (OSError, ConnectionError, RuntimeError) as e:
         print(f"ember serve: not forked from the preload zygote ({e}); starting here", file=sys.stderr)
         return None
     for sig in RELAYED:

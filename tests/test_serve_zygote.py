@@ -1,5 +1,7 @@
 """`ember serve` forked by the preload zygote: the same answers, signals and exit status as a server
-started in the launcher's own process, and the server gone when its launcher is.
+started in the launcher's own process, and the server gone when its launcher is; the worker the zygote
+prepares for the next restart taken by a restart with the same config (the same tokens as a fresh
+engine), never when the checkpoint changed or the request differs.
 
 A real `ember preload` (tiny Llama, private socket directory) per module; the servers are launched as
 the `ember` command runs them (`python -m frontend.launch`) and found through /proc.
@@ -23,9 +25,12 @@ import pytest
 from test_preload import _children, start_preload, stop
 
 from coreproc import LLM, SamplingParams
+from coreproc.config import EngineConfig
 from coreproc.protocol import SpawnServe, SpawnWorker, ZygoteRequest
 from coreproc.startup import zygote
-from coreproc.startup.zygote_link import code_stamp
+from coreproc.startup.prepared import preparable
+from coreproc.startup.spawn import wait_prepared, zygote_state
+from coreproc.startup.zygote_link import ZYGOTE_SOCKET, code_stamp
 from frontend.argv import flag_value
 from frontend.launch import zygote_for
 from tests.server_util import eventually
@@ -294,3 +299,100 @@ def test_a_zygote_of_an_older_ember_is_refused_in_one_line(tmp_path):
     finally:
         serving.join(10)
         listener.close()
+
+
+# ------------------------------------------------- the worker the zygote prepares for the next restart
+
+PREPARED_WAIT_S = 120.0  # a slow host prepares a tiny model in a second or two
+
+
+def serve_once(model: str, sockdir: Path, trace: Path | None = None) -> tuple[list[str], int]:
+    """One server's answers to PROMPTS and its worker's pid; the server stopped after."""
+    env = {**os.environ, "EMBER_STARTUP_TRACE": str(trace)} if trace else None
+    before = set(titled("ember-worker-0"))
+    proc = launch(model, sockdir, env=env)
+    try:
+        url = listening(proc)
+        (worker,) = set(titled("ember-worker-0")) - before
+        return served_texts(url, model), worker
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+
+
+def prepared_pid(sockdir: Path) -> int:
+    assert wait_prepared(sockdir / ZYGOTE_SOCKET, PREPARED_WAIT_S), "the zygote prepared no worker"
+    pid = zygote_state(sockdir / ZYGOTE_SOCKET).prepared_pid
+    assert comm(pid) == "ember-prepared" and comm(parent(pid)) == "ember-zygote"
+    return pid
+
+
+def test_a_restart_takes_the_prepared_worker_and_answers_like_a_fresh_engine(
+    model, preloaded, fresh_texts, tmp_path
+):
+    texts, first = serve_once(model, preloaded)  # the first start after preload: a forked worker
+    assert texts == fresh_texts
+    waiting = prepared_pid(preloaded)
+    assert waiting != first
+    trace = tmp_path / "trace.jsonl"
+    texts, worker = serve_once(model, preloaded, trace)
+    assert worker == waiting  # the restart's worker is the one prepared before it came
+    assert texts == fresh_texts
+    phases = [(r["process"], r["phase"]) for r in map(json.loads, trace.read_text().splitlines())]
+    worker_phases = [phase for process, phase in phases if process == "ember-worker-0"]
+    assert worker_phases[0] == "take the prepared worker"
+    assert "load weights" not in worker_phases  # mapped, built and faulted in before the launch
+    assert prepared_pid(preloaded) not in (first, worker)  # and the next restart's is prepared
+
+
+def test_a_checkpoint_changed_since_is_loaded_afresh(model, preloaded, fresh_texts):
+    serve_once(model, preloaded)
+    waiting = prepared_pid(preloaded)
+    config = Path(model) / "config.json"
+    os.utime(config, ns=(config.stat().st_atime_ns, config.stat().st_mtime_ns + 1_000_000_000))
+    texts, worker = serve_once(model, preloaded)
+    assert worker != waiting  # it refused (the file's stamp changed) and exited
+    assert texts == fresh_texts  # the same content: the forked worker still maps the cache
+
+
+@pytest.mark.unit
+def test_what_a_worker_is_prepared_for(model):
+    config = EngineConfig.create(model=model, dtype="float32", load_format="ipc_cache")
+    argv = ["--rank", "0", "--endpoint", "ipc:///x", "--runtime-dir", "/x", "--parent-pid", "1"]
+
+    def key(cfg: EngineConfig = config, **changes: object) -> str:
+        fields = {"argv": argv, "config": msgspec.json.encode(cfg), "env": {"OMP_NUM_THREADS": "2"}}
+        return preparable(SpawnWorker(**{**fields, **changes}))  # type: ignore[arg-type]
+
+    assert key() and key() == key(env={"OMP_NUM_THREADS": "2", "EMBER_STARTUP_TRACE": "/t"})
+    assert key() == key(argv=[*argv[:3], "ipc:///y", *argv[4:]])  # the launch's own paths
+    assert key() != key(env={"OMP_NUM_THREADS": "1"})
+    assert key() != key(affinity=[0])
+    other = EngineConfig.create(model=model, dtype="float32", load_format="ipc_cache", max_model_len=64)
+    assert key() != key(config=msgspec.json.encode(other))
+    assert key(role="core") == ""
+    for changed in (
+        EngineConfig.create(model=model, dtype="float32"),  # weights from disk
+        EngineConfig.create(model=model, dtype="float32", load_format="ipc_cache", tensor_parallel_size=2),
+    ):
+        assert key(config=msgspec.json.encode(changed)) == ""
+
+
+@pytest.mark.unit
+def test_a_worker_prepared_only_from_the_cache_never_loads_from_disk(model, tmp_path, monkeypatch):
+    """Where the cache does not answer, preparing fails at once: a prepared worker holding a private
+    copy of the weights read from disk would double the host's memory."""
+    import workers.worker as worker_module
+    from workers.worker import Worker
+
+    def no_disk(*_: object, **__: object) -> None:
+        raise AssertionError("loaded from disk")
+
+    monkeypatch.setattr(worker_module, "build_model", no_disk)
+    sockets = tmp_path / "none"
+    sockets.mkdir(mode=0o700)
+    config = EngineConfig.create(
+        model=model, dtype="float32", load_format="ipc_cache", socket_dir=str(sockets)
+    )
+    with pytest.raises(RuntimeError, match="not the preload cache's"):
+        Worker(config).prepare(show_progress=False, cache_only=True)

@@ -35,7 +35,7 @@ from workers.models.fused_decode import Forward, select_forward
 from workers.models.layers import kv_bytes_per_token
 from workers.models.llama import LlamaForCausalLM
 from workers.models.ops import install_ops, select_ops
-from workers.parallel import PPGroup, TPGroup
+from workers.parallel import PPGroup, TPGroup, device_index
 from workers.pipeline import StageForward
 from workers.structured import StructuredOutputs
 
@@ -129,8 +129,6 @@ class Worker:
         self.rank = self.pp.stage * self.tp.size + self.tp.rank  # among the engine's workers
         self.device = torch.device(config.device.resolved)
         if self.device.type == "cuda" and _index(self.device) is None:
-            from workers.parallel import device_index
-
             self.device = torch.device("cuda", device_index(config, self.rank))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

@@ -37,7 +37,7 @@ from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, St
 from coreproc.startup import boot, trace
 from coreproc.startup.orphan import LauncherWatch
 from workers.head_link import connect_head, interface_towards, is_remote
-from workers.parallel import PPGroup, TPGroup
+from workers.parallel import PPGroup, TPGroup, device_index
 
 if TYPE_CHECKING:  # the worker's modules import torch: loaded inside `new_worker`, timed
     from workers.worker import Prepared, Worker
@@ -85,8 +85,6 @@ def init_distributed(config: EngineConfig, rank: int, init_method: str) -> tuple
 
     backend = "nccl" if config.device.resolved_type == "cuda" else "gloo"
     if backend == "nccl":
-        from workers.parallel import device_index
-
         torch.cuda.set_device(device_index(config, rank))
     if par.nnodes == 1:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)

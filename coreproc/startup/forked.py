@@ -41,6 +41,15 @@ def take_environment(env: dict[str, str], whole: bool) -> None:
     os.environ.update(env)
 
 
+def run_on(cpus: list[int]) -> None:
+    """Run on the requester's CPUs (taskset), where the zygote's cgroup allows them (none: as is)."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as e:
+            log.warning("cannot run on the requester's CPUs %s: %s", cpus, e)
+
+
 def child(
     req: Spawn, fds: list[int], conn: socket.socket, closing: list[int], main: RoleMain | None = None
 ) -> NoReturn:
@@ -90,11 +99,7 @@ def become(
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     take_environment(req.env, whole=isinstance(req, SpawnServe))
-    if req.affinity:  # the requester's CPUs (taskset), where the zygote's cgroup allows them
-        try:
-            os.sched_setaffinity(0, req.affinity)
-        except OSError as e:
-            log.warning("cannot run on the requester's CPUs %s: %s", req.affinity, e)
+    run_on(req.affinity)
     if isinstance(req, SpawnServe):
         os.chdir(req.cwd)
         module, name = SERVE_ENTRY

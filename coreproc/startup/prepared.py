@@ -102,17 +102,21 @@ class PreparedSlot:
             else:
                 self.start(*self.wanted)
 
-    def note(self, req: object) -> None:
+    def note(self, req: object) -> str:
         """Every request the zygote takes: it delays the preparation; a worker request it can prepare
-        for becomes the wanted one (the next restart's)."""
+        for becomes the wanted one (the next restart's). Its key ("" for other requests)."""
         self.last_request = time.monotonic()
-        if isinstance(req, SpawnWorker) and (key := preparable(req)):
+        if not isinstance(req, SpawnWorker):
+            return ""
+        key = preparable(req)
+        if key:
             self.wanted = (key, req)
+        return key
 
-    def take(self, req: SpawnWorker, fds: list[int], conn: socket.socket) -> int:
-        """The prepared worker's pid once it runs as `req`'s worker (`fds`: its stdout and stderr,
-        `conn`: the request's connection), else 0 (the zygote forks one)."""
-        if not self.ready or self.conn is None or preparable(req) != self.key:
+    def take(self, key: str, req: SpawnWorker, fds: list[int], conn: socket.socket) -> int:
+        """The prepared worker's pid once it runs as `req`'s worker (`key`: `req`'s, from `note`;
+        `fds`: its stdout and stderr, `conn`: the request's connection), else 0 (the zygote forks)."""
+        if not key or not self.ready or self.conn is None or key != self.key:
             return 0
         try:
             self.conn.settimeout(TAKE_TIMEOUT_S)
@@ -153,9 +157,8 @@ def run_prepared(req: SpawnWorker, conn: socket.socket, closing: list[int]) -> N
     (through the zygote's `child`, like any forked process); ends here."""
     from setproctitle import setproctitle
 
-    from coreproc.startup.forked import child, take_environment
+    from coreproc.startup.forked import child, run_on, take_environment
 
-    code = 1
     try:
         for fd in closing:
             os.close(fd)
@@ -163,8 +166,7 @@ def run_prepared(req: SpawnWorker, conn: socket.socket, closing: list[int]) -> N
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         take_environment({k: v for k, v in req.env.items() if k != trace.ENV}, whole=False)
         os.environ.pop(trace.ENV, None)  # the trace of a past start is not this process's
-        if req.affinity:
-            os.sched_setaffinity(0, req.affinity)
+        run_on(req.affinity)
         try:
             prepared = importlib.import_module(PREPARED_WORKER).prepare(req)
         except Exception as e:  # the zygote logs it in one line and forks fresh workers instead
@@ -189,4 +191,4 @@ def run_prepared(req: SpawnWorker, conn: socket.socket, closing: list[int]) -> N
         child(request, fds[:2], conn, [], main=lambda argv, _: prepared.main(argv, taken))
     except BaseException:
         traceback.print_exc()
-    os._exit(code)
+    os._exit(1)

@@ -144,8 +144,8 @@ def answer(conn: socket.socket, code: str, slot: PreparedSlot, closing: list[int
         if why is not None:
             send_msg(conn, SpawnReply(error=why), wire="json")
             return
-        slot.note(req)
-        pid = slot.take(req, fds, conn) if isinstance(req, SpawnWorker) else 0
+        key = slot.note(req)
+        pid = slot.take(key, req, fds, conn) if isinstance(req, SpawnWorker) else 0
         if not pid:
             pid = os.fork()
             if pid == 0:
