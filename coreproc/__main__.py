@@ -1,6 +1,6 @@
 """`python -m coreproc batch -i in.jsonl -o out.jsonl [engine flags]`: batch mode without the `ember` CLI.
 
-The same as `ember batch` (coreproc.batch), parsed here so the scheduler layer needs nothing of the
+The same as `ember batch` (coreproc.client.batch), parsed here so the scheduler layer needs nothing of the
 frontend: errors a user can fix exit 2 with one line, anything else with its traceback.
 """
 
@@ -10,10 +10,10 @@ import argparse
 import logging
 import sys
 
-from coreproc import batch
-from coreproc.config import ENGINE_SECTIONS, add_engine_arguments
-from coreproc.errors import run_command
-from coreproc.options import flags
+from coreproc.base.config import ENGINE_SECTIONS, add_engine_arguments
+from coreproc.base.errors import run_command
+from coreproc.base.options import flags
+from coreproc.client import batch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """The `ember` command: one entry point, one subcommand per job.
 
 Runs in the user's shell process. Subcommands import their modules lazily so `ember --help` is fast.
-Engine flags (vLLM's names) are derived from the config's options (coreproc.config.ENGINE_SECTIONS).
+Engine flags (vLLM's names) are derived from the config's options (coreproc.base.config.ENGINE_SECTIONS).
 Errors a user can fix (`EmberError`: bad flag values, missing or mismatched model files, bad prompts)
 end with exit status 2 and one line on stderr, a bad engine setting named by its flag (the config
 names the keyword); anything else prints its traceback (exit 1).
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from coreproc.errors import run_command
+from coreproc.base.errors import run_command
 from frontend.argv import command_of
 
 
@@ -34,7 +34,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from coreproc import LLM, SamplingParams
-    from coreproc.config import engine_options
+    from coreproc.base.config import engine_options
 
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -69,9 +69,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_core(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coreproc.config import EngineConfig, engine_options
-    from coreproc.core_proc import run_core_process
-    from coreproc.ipc import ipc_endpoint, make_runtime_dir, remove_runtime_dir
+    from coreproc.base.config import EngineConfig, engine_options
+    from coreproc.base.ipc import ipc_endpoint, make_runtime_dir, remove_runtime_dir
+    from coreproc.core.server import run_core_process
 
     config = EngineConfig.create(**engine_options(args))
     keys = Path(args.curve_keys) if args.curve_keys else None
@@ -101,7 +101,7 @@ def cmd_core(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig, engine_options
+    from coreproc.base.config import EngineConfig, engine_options
     from coreproc.startup.headless import run_headless
 
     return run_headless(EngineConfig.create(**engine_options(args)))
@@ -110,7 +110,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_keygen(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from coreproc.ipc import generate_curve_keys
+    from coreproc.base.ipc import generate_curve_keys
 
     server, client = generate_curve_keys(Path(args.directory))
     print(
@@ -121,8 +121,8 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig, engine_options
-    from coreproc.startup import trace
+    from coreproc.base import trace
+    from coreproc.base.config import EngineConfig, engine_options
     from frontend import serve
 
     with trace.phase("the engine config", serve.FRONTEND):  # a folder's tokenizer built here too
@@ -131,14 +131,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig, engine_options
+    from coreproc.base.config import EngineConfig, engine_options
     from frontend.bench import throughput as bench_throughput
 
     return bench_throughput.run(args, EngineConfig.create(**engine_options(args)))
 
 
 def cmd_preload(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig, engine_options
+    from coreproc.base.config import EngineConfig, engine_options
     from workers.weight_cache import preload
 
     kwargs = engine_options(args)
@@ -152,21 +152,21 @@ def cmd_preload(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_restart(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig, engine_options
+    from coreproc.base.config import EngineConfig, engine_options
     from frontend.bench import restart as bench_restart
 
     return bench_restart.run(args, EngineConfig.create(**engine_options(args)))
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from coreproc.config import EngineConfig, engine_options
+    from coreproc.base.config import EngineConfig, engine_options
     from frontend.bench import latency as bench_latency
 
     return bench_latency.run(args, EngineConfig.create(**engine_options(args)))
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from frontend import snapshot
+    from frontend.snapshot import commands as snapshot
 
     return snapshot.run(args)
 
@@ -178,7 +178,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from coreproc import batch
+    from coreproc.client import batch
 
     return batch.run(args)
 
@@ -192,21 +192,21 @@ class Parser(argparse.ArgumentParser):
 
 def engine_flags() -> dict[str, str]:
     """Each engine option's keyword -> its flag (how a `ConfigError` is said on the command line)."""
-    from coreproc.config import ENGINE_SECTIONS
-    from coreproc.options import flags
+    from coreproc.base.config import ENGINE_SECTIONS
+    from coreproc.base.options import flags
 
     return flags(ENGINE_SECTIONS)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine's flags (coreproc.config's options: imported only for a command that takes them)."""
-    from coreproc.config import add_engine_arguments as add
+    """The engine's flags (coreproc.base.config's options: imported only for a command that takes them)."""
+    from coreproc.base.config import add_engine_arguments as add
 
     add(p)
 
 
 def model_help() -> str:
-    from coreproc.model_config import MODEL_HELP
+    from coreproc.base.model_config import MODEL_HELP
 
     return MODEL_HELP
 
@@ -278,7 +278,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL in, JSONL out) through the engine")
     if want("batch"):
-        from coreproc import batch
+        from coreproc.client import batch
 
         batch.add_arguments(bt)
         add_engine_arguments(bt)
@@ -314,7 +314,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     snap = sub.add_parser("snapshot", help="CRIU snapshots of a ready server: create, restore, inspect")
     if want("snapshot"):
-        from frontend import snapshot
+        from frontend.snapshot import commands as snapshot
 
         snapshot.add_arguments(snap)
     snap.set_defaults(func=cmd_snapshot)

@@ -10,7 +10,7 @@ stops as on SIGTERM. The server is then a child of the zygote: it runs on this p
 its resource limits and cgroup are the preload's. `--no-serve-zygote` (or no zygote, or one running
 another Python, Ember install or code) starts the server in this process as before; so do `python -m
 frontend.cli serve`, parked snapshots and the extra API servers. Otherwise `ember serve` starts its
-core on standby before anything else (coreproc.startup.standby), so that the core's imports overlap
+core on standby before anything else (coreproc.base.standby), so that the core's imports overlap
 this process's.
 """
 
@@ -46,7 +46,7 @@ def serve_from(zygote: Path, argv: list[str]) -> int | None:
     None when the zygote cannot (the reason logged), so that the caller serves itself."""
     import json
 
-    from coreproc.startup import trace
+    from coreproc.base import trace
     from coreproc.startup.zygote_link import code_stamp, fork_from
 
     trace.started(process="ember (launcher)")
@@ -64,7 +64,7 @@ def serve_from(zygote: Path, argv: list[str]) -> int | None:
 
 
 def spawn_serve(argv: list[str], code: str) -> dict[str, Any]:
-    """coreproc.protocol's `SpawnServe` for `ember ARGV`, as the JSON object the zygote decodes (built
+    """coreproc.base.protocol's `SpawnServe` for `ember ARGV`, as the JSON object the zygote decodes (built
     here without msgspec and the protocol module: importing them took this process ~0.1 s)."""
     import frontend
 
@@ -112,7 +112,7 @@ def main() -> int:
         if code is not None:
             return code
     if starts_a_core(argv):  # it imports while this process imports and reads the model's config
-        from coreproc.startup import standby
+        from coreproc.base import standby
         from coreproc.startup.spawn import worker_env
 
         standby.start("core", env=worker_env())

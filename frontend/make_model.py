@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coreproc.errors import ConfigError
+from coreproc.base.errors import ConfigError
 from frontend.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
 
 ARCHS: dict[str, tuple[str, str]] = {

@@ -3,7 +3,7 @@
 Runs in the frontend process. The listening socket is bound first (a taken port fails at once, before
 the model loads), then the `ember-core` processes (one per data-parallel rank) and their workers start
 and report ready, then uvicorn (uvloop) serves the Starlette app on that socket; with
-`--api-server-count N`, N - 1 more frontend processes share the port (frontend.api_servers).
+`--api-server-count N`, N - 1 more frontend processes share the port (frontend.http.processes).
 Ctrl-C / SIGTERM: uvicorn drains, then the other API servers and the cores are stopped, and the exit
 status is 0 (1 when the cores died first).
 
@@ -30,10 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coreproc.errors import EmberError
-from coreproc.model_config import MODEL_HELP
-from coreproc.startup import standby, trace
-from frontend.api_servers import (
+from coreproc.base import standby, trace
+from coreproc.base.errors import EmberError
+from coreproc.base.model_config import MODEL_HELP
+from frontend.atomic_files import write_json_atomic
+from frontend.canary import canary_request, canary_result
+from frontend.http.listen import bind
+from frontend.http.processes import (
     CHILD_FLAG,
     exit_with_parent,
     remove_shared_metrics,
@@ -41,15 +44,12 @@ from frontend.api_servers import (
     stop_children,
     use_shared_metrics,
 )
-from frontend.canary import canary_request, canary_result
-from frontend.http_protocol import read_deadline_protocol
-from frontend.listen import bind
-from frontend.server_config import ServerConfig, add_server_arguments, server_config
-from frontend.server_security import exposure_warning
-from frontend.snapshot_manifest import write_json_atomic
+from frontend.http.read_deadline import read_deadline_protocol
+from frontend.http.security import exposure_warning
+from frontend.http.settings import ServerConfig, add_server_arguments, server_config
 
 if TYPE_CHECKING:
-    from coreproc.config import EngineConfig
+    from coreproc.base.config import EngineConfig
 
 HANDOFF_POLL_S = 0.002
 FRONTEND = "ember serve"  # the frontend's name in a start-up trace (its process title is Python's)
@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def describe_engine(addresses: list[str]) -> str:
     """One line for the operator: model, weight memory by dtype, load and quantization time (and the
     number of data-parallel engine cores)."""
-    from coreproc.client import EngineClient
+    from coreproc.client.sdk import EngineClient
 
     with EngineClient(addresses[0]) as client:
         info = client.info_cache
@@ -87,8 +87,8 @@ def prepare_http(tokenizer_dir: str) -> tuple[Any, Any, Any]:
     with trace.phase("HTTP stack imports", FRONTEND):
         import uvicorn
 
-        from frontend.api_server import build_app
-    from coreproc.text.tokenizer import load_tokenizer, tokenizer_built
+        from frontend.http.server import build_app
+    from coreproc.base.tokenizer import load_tokenizer, tokenizer_built
 
     if tokenizer_built(tokenizer_dir):
         return uvicorn, build_app, load_tokenizer(tokenizer_dir)
@@ -225,7 +225,7 @@ def raise_open_file_limit() -> None:
 
 def _uvicorn_server(uvicorn: Any, app: Any, cfg: ServerConfig, shutdown_timeout: float) -> Any:
     """uvicorn on uvloop; with --ssl-certfile it wraps the pre-bound socket in TLS."""
-    from frontend.uvicorn_server import Server
+    from frontend.http.uvicorn_server import Server
 
     level = logging.getLevelName(logging.getLogger().level).lower()
     return Server(
@@ -245,7 +245,7 @@ def run_parked(args: argparse.Namespace, config: EngineConfig, state: Path) -> i
     import asyncio
 
     from coreproc.startup.launcher import CoreProcess
-    from frontend.api_server import build_app
+    from frontend.http.server import build_app
 
     cfg = server_config(args)
     with CoreProcess(config, shutdown_timeout=args.shutdown_timeout) as core:
@@ -260,7 +260,7 @@ async def _parked(app: Any, state: Path, runtime_dir: str, shutdown_timeout: flo
     import httpx
     import uvicorn
 
-    from frontend.uvicorn_server import Server
+    from frontend.http.uvicorn_server import Server
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

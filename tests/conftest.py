@@ -41,7 +41,7 @@ def _snapshot_runtime_dirs(tmp_path_factory: pytest.TempPathFactory):
     yield
     import shutil
 
-    from frontend.snapshot import Layout
+    from frontend.snapshot.commands import Layout
 
     for manifest in tmp_path_factory.getbasetemp().glob("**/manifest.json"):
         base = Layout(manifest.parent).runtime_base
@@ -86,10 +86,10 @@ STEADY_DRAFT_S, STEADY_DRAFT_TOKEN_S = 0.006, 0.0002
 @pytest.fixture
 def steady_step_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Speculation plans from fixed step costs instead of the steps' measured seconds: the adaptive
-    proposal lengths (coreproc/spec_decode.py) then depend on the tokens alone, so acceptance counters
+    proposal lengths (coreproc/core/ngram.py) then depend on the tokens alone, so acceptance counters
     are the same on every CPU and under any load. Reaches engines whose scheduler runs in the test's
     process (`LLM`); a served engine's counters are made deterministic with `"adaptive": false`."""
-    from coreproc.spec_decode import StepCost
+    from coreproc.core.ngram import StepCost
 
     record, record_draft = StepCost.record, StepCost.record_draft
 

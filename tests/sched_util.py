@@ -11,9 +11,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from coreproc.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from coreproc.errors import QueueFull
-from coreproc.protocol import (
+from coreproc.base.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from coreproc.base.errors import QueueFull
+from coreproc.base.protocol import (
     EngineRequest,
     RunnerOutput,
     SamplingParams,
@@ -21,8 +21,8 @@ from coreproc.protocol import (
     TokenLogprobs,
     WorkerReady,
 )
-from coreproc.request import RequestStatus
-from coreproc.scheduler import Scheduler
+from coreproc.core.request import RequestStatus
+from coreproc.core.scheduler import Scheduler
 
 EOS = 1
 VOCAB = 50

@@ -88,7 +88,7 @@ def comparable(rec: dict) -> dict:
 
 
 def test_results_match_the_offline_api(ckpt, llm, tmp_path, monkeypatch):
-    from coreproc.engine import EngineCore
+    from coreproc.core.engine import EngineCore
 
     seen_requests = []
     original = EngineCore.add_requests
@@ -279,7 +279,7 @@ def test_resume_after_kill(ckpt, tmp_path):
 
 
 def test_engine_failure_keeps_results_and_says_how_to_resume(ckpt, tmp_path, monkeypatch, capsys):
-    from coreproc.engine import EngineCore
+    from coreproc.core.engine import EngineCore
 
     items = resume_items(12)
     inp = write_jsonl(tmp_path / "in.jsonl", items)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import coreproc
-from coreproc.config import ConfigError, EngineConfig
+from coreproc.base.config import ConfigError, EngineConfig
 from frontend.bench import latency as bench_latency
 from frontend.bench.latency import Iteration, measure_bandwidth, percentile, summarize
 

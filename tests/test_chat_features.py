@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from coreproc.errors import ConfigError
+from coreproc.base.errors import ConfigError
 from coreproc.text.chat_features import ChatFeatures, OutputParser
 from coreproc.text.openai_protocol import RequestError, parse_chat_request
 

@@ -1,4 +1,4 @@
-"""Every engine setting is said once (coreproc.config, coreproc.options) and reachable everywhere.
+"""Every engine setting is said once (coreproc.base.config, coreproc.base.options) and reachable everywhere.
 
 For each option of `ENGINE_SECTIONS`: every command that builds an engine has its flag with the same
 default, the flag's value reaches `EngineConfig.create`'s keyword, and that keyword (as `LLM(...)`
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from coreproc import options
-from coreproc.config import ENGINE_SECTIONS, ConfigError, EngineConfig, engine_options
-from coreproc.host import default_draft_dir, default_model_dir
+from coreproc.base import options
+from coreproc.base.config import ENGINE_SECTIONS, ConfigError, EngineConfig, engine_options
+from coreproc.base.host import default_draft_dir, default_model_dir
 from frontend.cli import build_parser
 
 COMMANDS = (

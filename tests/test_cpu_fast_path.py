@@ -16,7 +16,7 @@ import torch
 from hf_ref import PROMPT_TEXTS, Greedy, check_greedy_close, greedy_runs, hf_greedy
 
 from coreproc import LLM, SamplingParams
-from coreproc.host import default_model_dir
+from coreproc.base.host import default_model_dir
 from workers.models import fused_decode
 from workers.models.ops import NativeCpuOps
 

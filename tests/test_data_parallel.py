@@ -28,12 +28,12 @@ from server_util import eventually, metric, start_server, stop_server, wait_idle
 from test_multiproc import children, cmdline, gone
 
 from coreproc import LLM, SamplingParams
-from coreproc.client import EngineClient
-from coreproc.dp_client import DPEngineClient
-from coreproc.dp_engine import DPEngine
-from coreproc.dp_router import DPRouter, merge_stats
-from coreproc.errors import EmberError, EngineDeadError
-from coreproc.protocol import EngineInfo, SchedulerStats
+from coreproc.base.errors import EmberError, EngineDeadError
+from coreproc.base.protocol import EngineInfo, SchedulerStats
+from coreproc.client.dp_client import DPEngineClient
+from coreproc.client.dp_engine import DPEngine
+from coreproc.client.dp_router import DPRouter, merge_stats
+from coreproc.client.sdk import EngineClient
 from coreproc.startup.launcher import dp_listen_addresses
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
@@ -346,7 +346,7 @@ def test_sdk_client_routes_over_a_core_group(llama, single) -> None:
         assert [f"rank {r}" in line for r, line in enumerate(lines)] == [True, True]
         tokens = []
         with EngineClient(addresses) as client:
-            from coreproc.text.tokenizer import load_tokenizer
+            from coreproc.base.tokenizer import load_tokenizer
 
             tok = load_tokenizer(str(llama))
             for text in PROMPT_TEXTS:

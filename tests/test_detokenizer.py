@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from coreproc.protocol import SamplingParams
+from coreproc.base.protocol import SamplingParams
+from coreproc.base.tokenizer import load_tokenizer
 from coreproc.text.detokenizer import IncrementalDetokenizer
-from coreproc.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.unit
 

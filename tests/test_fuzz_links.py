@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from wire_fuzz import EXAMPLES, FUZZ, Tally, garbage
 
 from coreproc import LLM
-from coreproc.client import EngineClient
-from coreproc.config import EngineConfig
-from coreproc.protocol import RunnerOutput, SamplingParams, StepResult, WorkerHello, WorkerReady
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import RunnerOutput, SamplingParams, StepResult, WorkerHello, WorkerReady
+from coreproc.client.sdk import EngineClient
 from coreproc.startup.launcher import CoreProcess
 
 pytestmark = pytest.mark.reliability

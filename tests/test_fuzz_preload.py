@@ -27,9 +27,9 @@ from server_util import eventually
 from test_preload import _children, _cmd, engine, source, start_preload, stop
 from wire_fuzz import FUZZ, Tally, values
 
-from coreproc.channel import MAX_BODY
-from coreproc.config import EngineConfig
-from coreproc.protocol import CacheRequest
+from coreproc.base.channel import MAX_BODY
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import CacheRequest
 from workers.weight_cache.client import cache_socket, request
 
 pytestmark = pytest.mark.reliability

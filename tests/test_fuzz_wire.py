@@ -23,12 +23,10 @@ import zmq
 from hypothesis import given
 from wire_fuzz import ENC, FUZZ, Tally, core_messages, garbage
 
-from coreproc.client import EngineClient
-from coreproc.config import EngineConfig
-from coreproc.errors import WorkerError
-from coreproc.executor import MultiprocExecutor
-from coreproc.ipc import Codec, ProtocolError
-from coreproc.protocol import (
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import WorkerError
+from coreproc.base.ipc import Codec, ProtocolError
+from coreproc.base.protocol import (
     FROM_WORKER,
     KIND_OF,
     TO_CLIENT,
@@ -51,6 +49,8 @@ from coreproc.protocol import (
     WorkerReady,
     make_request,
 )
+from coreproc.client.sdk import EngineClient
+from coreproc.core.executor import MultiprocExecutor
 from coreproc.startup.launcher import CoreProcess
 from coreproc.startup.spawn import spawn_worker
 

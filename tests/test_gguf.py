@@ -22,13 +22,13 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 from hf_ref import check_logprobs_close, check_outputs_equal, hf_greedy
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import EngineConfig
-from coreproc.errors import ConfigError
-from coreproc.gguf_file import SUPPORTED_TYPES, GGUFFile, StringArray, find_gguf, open_gguf
-from coreproc.model_config import ModelConfig
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import ConfigError
+from coreproc.base.gguf_file import SUPPORTED_TYPES, GGUFFile, StringArray, find_gguf, open_gguf
+from coreproc.base.model_config import ModelConfig
 from tools.hf_to_gguf import write_gguf
-from workers.gguf_dequant import SUPPORTED
-from workers.gguf_weights import hf_name, iter_gguf, unpermute_rotary
+from workers.gguf.dequant import SUPPORTED
+from workers.gguf.weights import hf_name, iter_gguf, unpermute_rotary
 from workers.weight_cache.fingerprint import checkpoint_hash, config_hash
 
 pytestmark = pytest.mark.model

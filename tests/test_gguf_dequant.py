@@ -18,8 +18,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from workers import gguf_dequant
-from workers.gguf_dequant import SUPPORTED, dequantize
+from workers.gguf import dequant as gguf_dequant
+from workers.gguf.dequant import SUPPORTED, dequantize
 
 T = GGMLQuantizationType
 TYPES = sorted((T(t) for t in SUPPORTED), key=lambda t: t.name)

@@ -1,4 +1,4 @@
-"""GGUF quantized weights in their own bits on the CPU fast path (workers/gguf_repack.py, quant/gguf.py).
+"""GGUF quantized weights in their own bits on the CPU fast path (workers/gguf/repack.py, quant/gguf.py).
 
 Every repackable type (Q8_0, Q6_K, Q4_0, Q5_0, Q4_1, Q5_1, Q4_K, Q5_K) becomes integers and group
 parameters that stand for exactly the reference dequantization, on random blocks. Tiny GGUF files
@@ -16,12 +16,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from coreproc import LLM, SamplingParams
-from coreproc.gguf_file import GGUFFile
+from coreproc.base.gguf_file import GGUFFile
 from kernels.qgemm import QFormat, pack_qweight, pack_qweight_torch, unpack_qweight
 from tools.hf_to_gguf import write_gguf
-from workers.gguf_dequant import dequantize
-from workers.gguf_repack import REPACKABLE, concat, repack, repack_torch
-from workers.gguf_weights import GGUFTensor, iter_gguf, pack_tensors
+from workers.gguf.dequant import dequantize
+from workers.gguf.repack import REPACKABLE, concat, repack, repack_torch
+from workers.gguf.weights import GGUFTensor, iter_gguf, pack_tensors
 
 pytestmark = pytest.mark.model
 

@@ -1,4 +1,4 @@
-"""coreproc/text/gguf_tokenizer.py against transformers' tokenizer from the same GGUF file.
+"""coreproc/base/gguf_tokenizer.py against transformers' tokenizer from the same GGUF file.
 
 The reference is `AutoTokenizer.from_pretrained(folder, gguf_file=name)`. Fast tests write small
 metadata-only GGUF files in a temp folder (the bundled tiny model's byte-level BPE, and a sentencepiece
@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coreproc.text.gguf_tokenizer import gguf_eos_token_ids
-from coreproc.text.tokenizer import Tokenizer, tokenizer_from_gguf
+from coreproc.base.gguf_tokenizer import gguf_eos_token_ids
+from coreproc.base.tokenizer import Tokenizer, tokenizer_from_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_TOKENIZER = ROOT / "coreproc" / "assets" / "default_model" / "tokenizer.json"
@@ -45,7 +45,7 @@ CHAT = [
 def read_metadata(path: Path) -> dict[str, Any]:
     """As `gguf.GGUFReader(path)`'s fields' `contents()` give it (tests/test_gguf.py checks), faster (arrays
     of strings as lists, ready to be written again)."""
-    from coreproc.gguf_file import GGUFFile, StringArray
+    from coreproc.base.gguf_file import GGUFFile, StringArray
 
     return {k: list(v) if isinstance(v, StringArray) else v for k, v in GGUFFile(path).metadata.items()}
 
@@ -263,8 +263,8 @@ def test_gguf_tokenizer_never_imports_transformers(tmp_path: Path) -> None:
     metadata.write_text(json.dumps(tiny_byte_level_metadata()), encoding="utf-8")
     script = (
         "import json, sys\n"
-        "from coreproc.text.gguf_tokenizer import gguf_eos_token_ids\n"
-        "from coreproc.text.tokenizer import tokenizer_from_gguf\n"
+        "from coreproc.base.gguf_tokenizer import gguf_eos_token_ids\n"
+        "from coreproc.base.tokenizer import tokenizer_from_gguf\n"
         f"metadata = json.loads(open({str(metadata)!r}, encoding='utf-8').read())\n"
         "tok = tokenizer_from_gguf(metadata)\n"
         "tok.decode(tok.encode('def f(x):'))\n"

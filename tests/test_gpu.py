@@ -14,7 +14,7 @@ import torch
 from hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_greedy
 
 from coreproc import LLM, SamplingParams
-from coreproc.host import default_model_dir
+from coreproc.base.host import default_model_dir
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model]
 

@@ -15,8 +15,8 @@ import torch
 from hf_ref import PROMPT_TEXTS, Greedy, check_greedy_close, greedy_runs
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import ConfigError
-from coreproc.host import default_model_dir
+from coreproc.base.config import ConfigError
+from coreproc.base.host import default_model_dir
 
 pytestmark = pytest.mark.model
 

@@ -1,14 +1,18 @@
-"""The package layout: layers, the shared base, and what the distribution installs.
+"""The package layout: the role folders, the import contracts, the public paths, what is installed.
 
-`lint-imports` (run in CI, contracts in pyproject.toml) checks the arrows; this checks that the
-contracts cover the tree: every coreproc module is either in the shared base or forbidden to it, the
-model and quantization names the config accepts are exactly those the workers build, and the wheel
-claims no generic top-level name. Run: `pytest -q tests/test_layout.py`.
+`lint-imports` (run in CI, contracts in pyproject.toml) checks the arrows: the layers point down and
+the only way below `coreproc` is its shared base, `coreproc.base`. This checks that every coreproc
+module sits in a role folder the contracts name, that the public import paths users write still
+work, that the model and quantization names the config accepts are exactly those the workers build,
+and that the wheel claims no generic top-level name. Run: `pytest -q tests/test_layout.py`.
 """
 
 from __future__ import annotations
 
+import importlib
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +20,12 @@ import pytest
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 import coreproc  # noqa: E402
-from coreproc import model_config as config  # noqa: E402
+from coreproc.base import model_config as config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+ROLES = {"base", "core", "startup", "client", "text"}  # the folders of coreproc, each one role
+PUBLIC_MODULES = {"coreproc.logits_processors"}  # re-exports at paths users import
 
 
 def contract(name_start: str) -> dict:
@@ -28,24 +34,46 @@ def contract(name_start: str) -> dict:
 
 
 @pytest.mark.unit
-def test_every_coreproc_module_is_base_or_forbidden_to_the_base() -> None:
-    base = contract("The shared base")
-    classified = set(base["source_modules"]) | set(base["forbidden_modules"])
-    modules = {
+def test_every_coreproc_module_is_in_a_role_folder() -> None:
+    loose = {
         m.name
-        for m in pkgutil.walk_packages(coreproc.__path__, "coreproc.")
+        for m in pkgutil.iter_modules(coreproc.__path__, "coreproc.")
         if not m.ispkg and m.name != "coreproc.__main__"
     }
-    assert modules - classified == set(), "name each new coreproc module in pyproject's base contract"
-    assert classified & modules == classified - {"frontend", "workers", "kernels"}, "stale names"
+    folders = {m.name for m in pkgutil.iter_modules(coreproc.__path__) if m.ispkg} - {"assets"}
+    assert loose == PUBLIC_MODULES, "a new coreproc module goes into one of its role folders"
+    assert folders == ROLES
+    forbidden = set(contract("The shared base")["forbidden_modules"])
+    assert {f"coreproc.{r}" for r in ROLES - {"base"}} <= forbidden, "the base must not import a role"
 
 
 @pytest.mark.unit
-def test_the_base_may_be_imported_by_the_lower_layers() -> None:
-    """Every module the lower layers import from coreproc is in the shared base."""
-    base = set(contract("The shared base")["source_modules"])
-    allowed = {rule.split(" -> ")[1] for rule in contract("Layers")["ignore_imports"]}
-    assert allowed <= base
+def test_below_coreproc_only_the_base() -> None:
+    rules = contract("Layers")["ignore_imports"]
+    assert rules == ["workers.** -> coreproc.base.**", "kernels.** -> coreproc.base.**"]
+    assert contract("The shared base")["source_modules"] == ["coreproc.base"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "path, names",
+    [
+        ("coreproc", ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidParam"]),
+        ("coreproc.client", ["EngineClient", "AsyncEngineClient", "EngineDeadError", "EngineRequestError"]),
+        ("coreproc.logits_processors", ["LogitsProcessor", "ProcessorContext", "Row"]),
+    ],
+)
+def test_public_import_paths_still_work(path: str, names: list[str]) -> None:
+    module = importlib.import_module(path)
+    for name in names:
+        assert getattr(module, name).__name__ == name
+        assert name in module.__all__
+
+
+@pytest.mark.unit
+def test_python_m_coreproc_batch_still_parses() -> None:
+    out = subprocess.run([sys.executable, "-m", "coreproc", "batch", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--input" in out.stdout, out.stderr
 
 
 @pytest.mark.unit

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import ConfigError
+from coreproc.base.config import ConfigError
 from workers.loader import WeightLoadError
 
 pytestmark = pytest.mark.model
@@ -143,7 +143,7 @@ def test_kv_cache_prefault_commits_the_cache_at_start(make_ckpt):
 
 
 def test_bf16_checkpoint_dtype_auto_and_explicit(make_ckpt):
-    from coreproc.host import cpu_has_fast_half
+    from coreproc.base.host import cpu_has_fast_half
 
     path = make_ckpt("qwen2", dtype="bfloat16")
     auto = LLM(str(path), show_progress=False)

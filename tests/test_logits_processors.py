@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from coreproc import LLM, SamplingParams
-from coreproc.errors import InvalidParam
-from coreproc.logits_processors import (
+from coreproc.base.errors import InvalidParam
+from coreproc.base.logits_processors import (
     ProcessorContext,
     Row,
     installed_specs,
     load_processors,
     processor_specs,
 )
-from coreproc.protocol import EngineRequest
-from coreproc.scheduler import Scheduler
+from coreproc.base.protocol import EngineRequest
+from coreproc.core.scheduler import Scheduler
 from frontend.cli import main
 from tests.sched_util import make_config
 from tests.server_util import start_server, stop_server

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from coreproc import LLM, SamplingParams
-from coreproc.lora import LoRAError
+from coreproc.base.lora import LoRAError
 
 pytestmark = pytest.mark.model
 
@@ -140,9 +140,9 @@ def test_reloading_a_name_never_reuses_old_kv_and_names_never_meet_salts(
 
 @pytest.mark.unit
 def test_adapter_name_and_cache_salt_never_share_a_key() -> None:
-    from coreproc.kv_cache import block_extra_keys
-    from coreproc.protocol import EngineRequest, LoRARef
-    from coreproc.request import Request
+    from coreproc.base.protocol import EngineRequest, LoRARef
+    from coreproc.core.kv_cache import block_extra_keys
+    from coreproc.core.request import Request
 
     def keys(**kw) -> tuple | None:
         req = Request(
@@ -223,7 +223,7 @@ def test_adapters_with_speculation_structured_outputs_and_a_quantized_base(
 ) -> None:
     """n-gram speculation keeps PEFT's greedy tokens; a constraint holds with an adapter; an int8 base
     serves adapters (its tokens follow its own weights, so only that it runs and differs is checked)."""
-    from coreproc.protocol import StructuredSpec
+    from coreproc.base.protocol import StructuredSpec
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     with engine(base, adapters, speculative_config=spec) as llm:
@@ -246,7 +246,7 @@ def test_adapters_with_speculation_structured_outputs_and_a_quantized_base(
 def test_a_draft_model_speculates_without_the_adapter(tmp_path: Path, steady_step_costs: None) -> None:
     """The bundled model and its draft: the target verifies with the adapter, the draft proposes
     without it, and the greedy tokens stay PEFT's."""
-    from coreproc.host import default_draft_dir, default_model_dir
+    from coreproc.base.host import default_draft_dir, default_model_dir
 
     target = default_model_dir()
     adapter = make_adapter(target, tmp_path / "a", 8, EVERYTHING, seed=21)
@@ -264,7 +264,7 @@ def test_reloading_a_name_mid_run_keeps_each_request_on_its_weights(
 ) -> None:
     """One slot: a request runs on x's first weights while x is reloaded; the next request with x gets
     the new weights only once the first has finished (two weights of one name never share a step)."""
-    from coreproc.protocol import EngineRequest, LoRARef
+    from coreproc.base.protocol import EngineRequest, LoRARef
 
     with engine(base, {"x": adapters["all-r8"]}, max_loras=1) as llm:
         core = llm.engine

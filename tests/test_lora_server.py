@@ -20,13 +20,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from coreproc import SamplingParams
-from coreproc.client import EngineClient, EngineRequestError
-from coreproc.config import EngineConfig
+from coreproc.base.config import EngineConfig
+from coreproc.client.sdk import EngineClient, EngineRequestError
 from coreproc.startup.launcher import CoreProcess
 from coreproc.text.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, parse_body
-from frontend.api_server import build_app
 from frontend.cli import main
-from frontend.server_config import ServerConfig
+from frontend.http.server import build_app
+from frontend.http.settings import ServerConfig
 from tests.server_util import start_server, stop_server, wait_idle
 from tests.test_lora import ATTENTION, EVERYTHING, MAX_NEW, make_adapter, peft_greedy
 from tests.test_openapi import request_schema, sample
@@ -56,7 +56,7 @@ def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 @pytest.fixture(scope="module")
 def prompts(base: Path) -> list[list[int]]:
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(base))
     return [tok(t).input_ids for t in TEXTS]

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from coreproc.errors import ConfigError
-from coreproc.protocol import SamplingParams
+from coreproc.base.errors import ConfigError
+from coreproc.base.protocol import SamplingParams
 from coreproc.text.chat import TEXT_ONLY, chat_images, render_chat, template_messages
 from coreproc.text.media import ImagePart, ImageTokens, MediaIntake, _Job
 from coreproc.text.media_config import MediaConfig, MediaKwargs
@@ -79,7 +79,7 @@ def token_id(llava: Path) -> int:
 
 @pytest.fixture(scope="module")
 def tokenizer(llava: Path):
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     return load_tokenizer(str(llava))
 
@@ -361,7 +361,7 @@ def test_nothing_here_imports_torch(llava: Path, token_id: int) -> None:
     """The frontend's intake and rendering, even while images are processed, stay torch-free."""
     code = (
         "import sys, base64\n"
-        "import coreproc.text.media, coreproc.text.chat, coreproc.text.render, frontend.api_server\n"
+        "import coreproc.text.media, coreproc.text.chat, coreproc.text.render, frontend.http.server\n"
         "from coreproc.text.media import MediaIntake, ImagePart\n"
         f"with MediaIntake.from_model({str(llava)!r}, {token_id}) as m:\n"
         f"    ids, refs = m.take([1, {token_id}, 2], [ImagePart({data_url(png(1))!r}, 'x')])\n"

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from coreproc.protocol import SchedulerStats
-from frontend.metrics import _ENGINE_COUNTERS, _ENGINE_GAUGES, EngineMetrics
+from coreproc.base.protocol import SchedulerStats
+from frontend.http.metrics import _ENGINE_COUNTERS, _ENGINE_GAUGES, EngineMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 from PIL import Image
 
-from coreproc.config import EngineConfig
-from coreproc.engine import EngineCore
-from coreproc.mm_store import MediaStore, MultiModalCacheMiss
-from coreproc.protocol import EngineRequest, MultiModalRef, PixelData, SamplingParams
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import EngineRequest, MultiModalRef, PixelData, SamplingParams
+from coreproc.core.engine import EngineCore
+from coreproc.core.mm_store import MediaStore, MultiModalCacheMiss
 from frontend.make_model import main as make_model
 
 pytestmark = pytest.mark.model
@@ -253,7 +253,7 @@ def test_sdk_sends_known_images_by_hash_and_resends_after_a_miss(llava: Path) ->
     """Through a real core process: the second request with an image travels as its hash; a client
     whose picture of the core's store is wrong recovers by resending; a caller's own hash-only item
     the core never saw is the retryable "mm_cache_miss" error."""
-    from coreproc.client import EngineClient, EngineRequestError
+    from coreproc.client.sdk import EngineClient, EngineRequestError
     from coreproc.startup.launcher import CoreProcess
 
     tok = image_token(llava)

@@ -28,8 +28,8 @@ from hf_ref import PROMPT_TEXTS
 from test_multiproc import children, cmdline, gone
 
 from coreproc import LLM, SamplingParams
-from coreproc.client import EngineClient, EngineDeadError
-from coreproc.ipc import generate_curve_keys
+from coreproc.base.ipc import generate_curve_keys
+from coreproc.client.sdk import EngineClient, EngineDeadError
 
 pytestmark = pytest.mark.e2e
 
@@ -101,7 +101,7 @@ def llama(make_ckpt) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(llama: Path) -> list[list[int]]:
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(llama))
     return [tok(t).input_ids for t in PROMPT_TEXTS]

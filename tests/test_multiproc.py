@@ -19,9 +19,9 @@ import pytest
 from hf_ref import PROMPT_TEXTS
 
 from coreproc import LLM, SamplingParams
-from coreproc.client import AsyncEngineClient, EngineClient, EngineDeadError, EngineRequestError
-from coreproc.config import EngineConfig
-from coreproc.protocol import SchedulerStats, UtilityCall
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import SchedulerStats, UtilityCall
+from coreproc.client.sdk import AsyncEngineClient, EngineClient, EngineDeadError, EngineRequestError
 from coreproc.startup.launcher import CoreProcess, EngineRefused
 
 pytestmark = pytest.mark.e2e
@@ -67,7 +67,7 @@ def llama(make_ckpt) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts(llama) -> list[list[int]]:
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(llama))
     return [tok(t).input_ids for t in PROMPT_TEXTS]
@@ -160,7 +160,7 @@ def test_crashed_client_requests_are_aborted(llama, prompts):
     config = EngineConfig.create(str(llama), dtype="float32")
     with CoreProcess(config, client_timeout=1.5) as proc:
         script = (
-            "import sys; from coreproc.client import EngineClient; from coreproc import SamplingParams\n"
+            "import sys; from coreproc.client.sdk import EngineClient; from coreproc import SamplingParams\n"
             f"c = EngineClient({proc.address!r})\n"
             f"s = c.generate({prompts[2]!r}, SamplingParams(max_tokens=900, ignore_eos=True))\n"
             "next(s); print('streaming', flush=True); sys.stdin.read()\n"
@@ -362,7 +362,7 @@ def test_boot_pauses_collection_and_freezes_the_heap() -> None:
     alive and turns collection on."""
     import gc
 
-    from coreproc.startup import boot
+    from coreproc.base import boot
 
     assert gc.isenabled()
     frozen = gc.get_freeze_count()
@@ -384,9 +384,9 @@ def test_boot_pauses_collection_and_freezes_the_heap() -> None:
 
 def test_boot_rejects_an_unknown_role() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "coreproc.startup.boot", "nope"], capture_output=True, text=True
+        [sys.executable, "-m", "coreproc.base.boot", "nope"], capture_output=True, text=True
     )
-    assert proc.returncode == 2 and "usage: python -m coreproc.startup.boot core|worker" in proc.stderr
+    assert proc.returncode == 2 and "usage: python -m coreproc.base.boot core|worker" in proc.stderr
 
 
 def test_a_dropped_in_process_engine_is_collected() -> None:

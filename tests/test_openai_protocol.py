@@ -10,7 +10,6 @@ import math
 
 import pytest
 
-from coreproc.outputs import CompletionOutput, Logprob, RequestOutput
 from coreproc.text.chat import TEXT_ONLY, render_chat
 from coreproc.text.openai_protocol import (
     ChatCompletionRequest,
@@ -30,6 +29,7 @@ from coreproc.text.openai_responses import (
     completion_response,
     usage_of,
 )
+from coreproc.text.outputs import CompletionOutput, Logprob, RequestOutput
 
 pytestmark = pytest.mark.unit
 
@@ -300,7 +300,7 @@ def test_stream_chunks():
 
 @pytest.fixture(scope="module")
 def tokenizer(make_ckpt):
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     return load_tokenizer(str(make_ckpt("llama")))
 

@@ -21,7 +21,7 @@ from coreproc.text.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from frontend.openapi import build_openapi
+from frontend.http.openapi import build_openapi
 
 pytestmark = pytest.mark.unit
 

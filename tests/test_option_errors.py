@@ -1,7 +1,7 @@
 """A refused engine option value names the option as the user gave it: the flag on the command line,
 the keyword in `EngineConfig.create(...)` / `LLM(...)`.
 
-Walks every option of `ENGINE_SECTIONS` (coreproc.options.settings): each option with a checkable
+Walks every option of `ENGINE_SECTIONS` (coreproc.base.options.settings): each option with a checkable
 domain gets one bad value (the others keep their defaults, but for the few it needs), and the one-line
 error must name that option: `ember generate`'s parser and error path must say its flag (argparse's
 `invalid choice` included), `EngineConfig.create` its keyword. Options every value of which is valid
@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from coreproc.config import ENGINE_SECTIONS, ConfigError, EngineConfig, engine_options
-from coreproc.errors import run_command
-from coreproc.options import flags, settings
+from coreproc.base.config import ENGINE_SECTIONS, ConfigError, EngineConfig, engine_options
+from coreproc.base.errors import run_command
+from coreproc.base.options import flags, settings
 from frontend.cli import build_parser, main
 
 SETTINGS = {s.keyword: s for s in settings(ENGINE_SECTIONS)}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from coreproc.protocol import EngineOutput, EngineRequest, SamplingParams
+from coreproc.base.protocol import EngineOutput, EngineRequest, SamplingParams
+from coreproc.base.tokenizer import load_tokenizer
 from coreproc.text.output_processor import OutputProcessor
-from coreproc.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -24,9 +24,9 @@ from hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_g
 from test_multiproc import check_killed_worker
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import ConfigError, EngineConfig, ParallelConfig
-from coreproc.protocol import EngineRequest, StructuredSpec
-from coreproc.scheduler import Scheduler
+from coreproc.base.config import ConfigError, EngineConfig, ParallelConfig
+from coreproc.base.protocol import EngineRequest, StructuredSpec
+from coreproc.core.scheduler import Scheduler
 from kernels import AttentionMetadata
 from tests.sched_util import VOCAB, check_invariants, fake_runner_output, make_config
 from workers.models import fused_decode

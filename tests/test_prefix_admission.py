@@ -17,20 +17,20 @@ import httpx
 import pytest
 from hf_ref import check_logprobs_close, check_outputs_equal, hf_greedy
 
-from coreproc.config import ConfigError
-from coreproc.engine import EngineCore
-from coreproc.errors import InvalidParam, QueueFull
-from coreproc.kv_cache import KVCacheManager
-from coreproc.lora import LoRAConfig
-from coreproc.protocol import (
+from coreproc.base.config import ConfigError
+from coreproc.base.errors import InvalidParam, QueueFull
+from coreproc.base.lora import LoRAConfig
+from coreproc.base.protocol import (
     EngineRequest,
     LoRARef,
     MultiModalRef,
     SamplingParams,
     SchedulerOutput,
 )
-from coreproc.request import Request
-from coreproc.scheduler import Scheduler
+from coreproc.core.engine import EngineCore
+from coreproc.core.kv_cache import KVCacheManager
+from coreproc.core.request import Request
+from coreproc.core.scheduler import Scheduler
 from tests.sched_util import StuckExecutor, fake_runner_output, make_config
 from tests.server_util import metric, start_server, stop_server
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import EngineConfig
-from coreproc.dp_engine import DPEngine
-from coreproc.protocol import CacheRequest
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import CacheRequest
+from coreproc.client.dp_engine import DPEngine
 from coreproc.startup.zygote_link import ForkedProcess
 from kernels import select_backend
 from workers.parallel import TPGroup

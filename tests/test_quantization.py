@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hf_ref import PROMPT_TEXTS
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import ConfigError
+from coreproc.base.config import ConfigError
 from tools.teacher_forced import all_logits, load
 from workers.quant import make_method, resolve_name
 from workers.quant.base import TensorSpec
@@ -40,7 +40,7 @@ MAX_KL = {"fp8_per_tensor": 1e-3, "int8": 1e-4, "int4": 5e-3}
 @pytest.fixture(scope="module")
 def reference_runs(make_ckpt):
     """Per arch: the unquantized model and greedy continuations of the prompt set (prompt len, ids)."""
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     runs = {}
     for arch in ("llama", "qwen2", "qwen3", "mistral"):
@@ -112,8 +112,8 @@ def test_end_to_end_agreement(reference_runs, method, arch):
 @pytest.mark.parametrize("method", METHODS)
 def test_default_model_agreement(method):
     """The bundled trained model has peaked distributions: agreement must be high for every method."""
-    from coreproc.host import default_model_dir
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.host import default_model_dir
+    from coreproc.base.tokenizer import load_tokenizer
 
     path = str(default_model_dir())
     ref, quant = load(path, None), load(path, method)

@@ -19,9 +19,9 @@ import pytest
 from hf_ref import PROMPT_TEXTS
 
 from coreproc import LLM, SamplingParams
-from coreproc.client import EngineClient, EngineDeadError
-from coreproc.config import EngineConfig
-from coreproc.errors import ConfigError
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import ConfigError
+from coreproc.client.sdk import EngineClient, EngineDeadError
 from coreproc.startup.launcher import CoreProcess
 
 pytestmark = pytest.mark.e2e
@@ -83,7 +83,7 @@ def test_without_ray_the_flag_is_one_line_naming_the_extra(llama, monkeypatch):
     with pytest.raises(ConfigError, match=r"pip install 'ember-serve\[ray\]'") as e:
         EngineConfig.create(str(llama), distributed_executor_backend="ray")
     assert "\n" not in str(e.value)
-    from coreproc.ray_executor import import_ray
+    from coreproc.core.ray_executor import import_ray
 
     monkeypatch.setitem(__import__("sys").modules, "ray", None)  # import ray -> ImportError
     with pytest.raises(ConfigError, match=r"pip install 'ember-serve\[ray\]'"):
@@ -144,7 +144,7 @@ def test_idle_core_notices_a_killed_node(cluster, llama, monkeypatch):
 @requires_ray
 def test_core_process_on_the_cluster_and_a_killed_node_fails_requests(cluster, llama, local_tp2, monkeypatch):
     """Last in the file: it takes a node away (and puts a fresh one back)."""
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(llama))
     prompts = [tok(t).input_ids for t in PROMPT_TEXTS]

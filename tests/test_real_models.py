@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from server_util import start_server, stop_server
 
 from coreproc import LLM, SamplingParams
-from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
+from coreproc.base.tokenizer import eos_token_ids, load_tokenizer
 from tools.teacher_forced import batch_logits, load
 from workers.kv_scales import kv_cache_dtype
 
@@ -102,7 +102,7 @@ def reference(real: dict[str, Path]) -> dict:
 
 
 def eos_ids(real: dict[str, Path]) -> tuple[int, ...]:
-    from coreproc.model_config import ModelConfig
+    from coreproc.base.model_config import ModelConfig
 
     return ModelConfig.from_dir(real["gguf"]).eos_token_ids
 
@@ -145,7 +145,7 @@ def compare(ref: dict, runs: list[tuple[list[int], list]], label: str) -> tuple[
 def test_header_reads_as_the_gguf_package_reads_it(real: dict[str, Path]) -> None:
     from gguf import GGUFReader
 
-    from coreproc.gguf_file import GGUFFile
+    from coreproc.base.gguf_file import GGUFFile
 
     ours, ref = GGUFFile(real["gguf"]), GGUFReader(real["gguf"])
     assert ours.metadata == {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}

@@ -109,7 +109,7 @@ def test_plans_follow_the_step_times_and_the_tokens_do_not(pair, prompts, plain,
     and load. A fake clock says the draft model costs a twentieth of a target step in one run and as
     much as one in the other: the plans differ (counted from the fake times alone, so the counts are
     the same on every CPU), the greedy tokens do not."""
-    from coreproc.spec_decode import StepCost
+    from coreproc.core.ngram import StepCost
 
     record, record_draft = StepCost.record, StepCost.record_draft
 

@@ -17,12 +17,12 @@ import time
 import httpx
 import pytest
 
-from coreproc.client import EngineClient, EngineRequestError
-from coreproc.config import ConfigError, EngineConfig, engine_options
-from coreproc.errors import InvalidParam
-from coreproc.limits import RequestLimits
-from coreproc.protocol import EngineRequest, SamplingParams
-from coreproc.scheduler import Scheduler
+from coreproc.base.config import ConfigError, EngineConfig, engine_options
+from coreproc.base.errors import InvalidParam
+from coreproc.base.limits import RequestLimits
+from coreproc.base.protocol import EngineRequest, SamplingParams
+from coreproc.client.sdk import EngineClient, EngineRequestError
+from coreproc.core.scheduler import Scheduler
 from coreproc.startup.launcher import CoreProcess
 from coreproc.text.openai_protocol import RequestError, parse_chat_request, parse_completion_request
 from frontend.cli import build_parser, main

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from coreproc import LLM, SamplingParams
-from coreproc.logits_processors import BUILTIN_SPECS, ProcessorContext, Row, load_processors
+from coreproc.base.logits_processors import BUILTIN_SPECS, ProcessorContext, Row, load_processors
 from workers.sampler import Sampler, SamplingBatch
 
 

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coreproc.errors import InvalidParam
-from coreproc.protocol import EngineRequest, RunnerOutput, SamplingParams, TokenLogprobs
-from coreproc.scheduler import Scheduler
+from coreproc.base.errors import InvalidParam
+from coreproc.base.protocol import EngineRequest, RunnerOutput, SamplingParams, TokenLogprobs
+from coreproc.core.scheduler import Scheduler
 from tests.sched_util import (
     EOS,
     VOCAB,
@@ -234,8 +234,8 @@ def test_stop_conditions(params, script, expect_tokens, reason, stop_reason):
 
 def test_engine_fails_requests_instead_of_spinning():
     """If scheduling ever stops making progress, queued requests fail with an error (no hang)."""
-    from coreproc.engine import EngineCore
-    from coreproc.protocol import SchedulerOutput
+    from coreproc.base.protocol import SchedulerOutput
+    from coreproc.core.engine import EngineCore
 
     engine = EngineCore(make_config(), StuckExecutor())
     engine.scheduler.schedule = lambda: SchedulerOutput()  # a scheduler that never admits anything

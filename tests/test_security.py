@@ -31,9 +31,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from starlette.testclient import TestClient
 
-from coreproc.errors import ConfigError, EmberError
-from coreproc.ipc import Codec, bind, check_private_dir, make_runtime_dir, remove_runtime_dir
-from coreproc.protocol import (
+from coreproc.base.errors import ConfigError, EmberError
+from coreproc.base.ipc import Codec, bind, check_private_dir, make_runtime_dir, remove_runtime_dir
+from coreproc.base.protocol import (
     FROM_WORKER,
     KIND_OF,
     TO_CLIENT,
@@ -46,11 +46,11 @@ from coreproc.protocol import (
     SpawnServe,
     SpawnWorker,
 )
-from frontend import middleware
-from frontend.api_server import build_app
 from frontend.cli import build_parser, main
-from frontend.server_config import ServerConfig, server_config
-from frontend.server_security import check_tls, exposure_warning
+from frontend.http import middleware
+from frontend.http.security import check_tls, exposure_warning
+from frontend.http.server import build_app
+from frontend.http.settings import ServerConfig, server_config
 from tests.server_util import start_server, stop_server
 from workers.weight_cache.fingerprint import check_socket_dir
 
@@ -364,7 +364,7 @@ def test_core_off_loopback_without_curve_keys_is_refused(llama: str) -> None:
 @pytest.mark.e2e
 def test_a_running_engine_s_sockets_are_0600_under_umask_002(llama: str, tmp_path: Path) -> None:
     """The core, worker and launcher sockets of a live engine (children inherit the umask)."""
-    from coreproc.config import EngineConfig
+    from coreproc.base.config import EngineConfig
     from coreproc.startup.launcher import CoreProcess
 
     old = os.umask(0o002)

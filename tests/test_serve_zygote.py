@@ -25,8 +25,8 @@ import pytest
 from test_preload import _children, start_preload, stop
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import EngineConfig
-from coreproc.protocol import SpawnServe, SpawnWorker, ZygoteRequest
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import SpawnServe, SpawnWorker, ZygoteRequest
 from coreproc.startup import zygote
 from coreproc.startup.prepared import preparable
 from coreproc.startup.spawn import wait_prepared, zygote_state
@@ -276,8 +276,8 @@ def test_a_zygote_of_an_older_ember_is_refused_in_one_line(tmp_path):
     requester start its process itself: a RuntimeError its callers handle, not a decode error."""
     import threading
 
-    from coreproc.channel import recv_frame, send_msg
-    from coreproc.protocol import SpawnReply
+    from coreproc.base.channel import recv_frame, send_msg
+    from coreproc.base.protocol import SpawnReply
     from coreproc.startup.zygote_link import fork_from
 
     path = tmp_path / "zygote.sock"

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from frontend.snapshot_manifest import criu_version, version_at_least
+from frontend.snapshot.manifest import criu_version, version_at_least
 
 pytestmark = [
     pytest.mark.e2e,
@@ -351,7 +351,7 @@ def test_a_gguf_checkpoint_snapshots_and_restores(model: Path, tmp_path: Path, g
         assert greedy_ids(found.group(1)) == expected
     finally:
         os.kill(int(found.group(2)), signal.SIGKILL)
-    from coreproc.gguf_file import open_gguf
+    from coreproc.base.gguf_file import open_gguf
 
     start = open_gguf(gguf).data_start  # other weights where the identity samples them, same size
     _overwrite(gguf, start, bytes(64))

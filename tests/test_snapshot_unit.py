@@ -22,8 +22,9 @@ import msgspec
 import pytest
 from server_util import eventually
 
-from frontend import snapshot
-from frontend.snapshot_manifest import (
+from frontend.snapshot import commands as snapshot
+from frontend.snapshot.criu import SnapshotTools, parse_serve_args, preflight
+from frontend.snapshot.manifest import (
     MANIFEST,
     SnapshotError,
     differences,
@@ -32,7 +33,6 @@ from frontend.snapshot_manifest import (
     version_at_least,
     write_manifest,
 )
-from frontend.snapshot_tools import SnapshotTools, parse_serve_args, preflight
 
 pytestmark = pytest.mark.unit
 
@@ -295,7 +295,7 @@ HOLDER = textwrap.dedent(
 
 
 def test_dump_problems_names_io_uring_and_external_tcp() -> None:
-    from frontend.snapshot_tools import dump_problems
+    from frontend.snapshot.criu import dump_problems
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -319,7 +319,7 @@ def test_dump_problems_names_io_uring_and_external_tcp() -> None:
 
 def test_restore_refuses_a_changed_adapter(made: tuple[Path, FakeTools], tmp_path: Path) -> None:
     """The image holds the adapters of --lora-modules as they were: a changed folder refuses the restore."""
-    from frontend.snapshot_manifest import model_files
+    from frontend.snapshot.manifest import model_files
 
     root, tools = made
     adapter = tmp_path / "adapter"

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from coreproc import LLM, SamplingParams
-from coreproc.config import ConfigError, EngineConfig, SpeculativeConfig
-from coreproc.protocol import EngineRequest, RunnerOutput, TokenLogprobs
-from coreproc.scheduler import Scheduler
-from coreproc.spec_decode import (
+from coreproc.base.config import ConfigError, EngineConfig, SpeculativeConfig
+from coreproc.base.protocol import EngineRequest, RunnerOutput, TokenLogprobs
+from coreproc.core.ngram import (
     DraftCandidate,
     DraftPause,
     ProposalLength,
@@ -27,6 +26,7 @@ from coreproc.spec_decode import (
     plan_drafts,
     propose_ngram,
 )
+from coreproc.core.scheduler import Scheduler
 from tests.sched_util import fake_runner_output, make_config
 from workers.draft import DraftState
 

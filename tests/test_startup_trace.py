@@ -1,4 +1,4 @@
-"""The start-up trace (coreproc/startup/trace.py) and the breakdown `ember bench restart --trace` prints.
+"""The start-up trace (coreproc/base/trace.py) and the breakdown `ember bench restart --trace` prints.
 
 Off without $EMBER_STARTUP_TRACE; with it, a phase is recorded even when it raises, and a live
 `ember serve` writes the phases of each of its processes (frontend, core, worker), nested as they
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from server_util import start_server, stop_server
 
-from coreproc.startup import trace
+from coreproc.base import trace
 from frontend.bench import restart_trace
 from tests.server_util import eventually
 

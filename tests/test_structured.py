@@ -16,10 +16,10 @@ import re
 import pytest
 
 from coreproc import LLM, SamplingParams
-from coreproc.errors import InvalidParam
-from coreproc.logits_processors import Row
-from coreproc.protocol import StructuredSpec
-from coreproc.text.tokenizer import load_tokenizer
+from coreproc.base.errors import InvalidParam
+from coreproc.base.logits_processors import Row
+from coreproc.base.protocol import StructuredSpec
+from coreproc.base.tokenizer import load_tokenizer
 from workers.structured import StructuredOutputs
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,4 @@
-"""coreproc/text/tokenizer.py against transformers' AutoTokenizer, the reference it must match.
+"""coreproc/base/tokenizer.py against transformers' AutoTokenizer, the reference it must match.
 
 Checks encode/decode, special tokens, EOS ids and chat templates on the bundled default model and a
 tiny checkpoint of every architecture (qwen2 is rebuilt by transformers, the others are not), config
@@ -20,8 +20,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 
+from coreproc.base.tokenizer import eos_token_ids, load_tokenizer
 from coreproc.text.chat import render_chat
-from coreproc.text.tokenizer import eos_token_ids, load_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -408,7 +408,7 @@ def test_tokenizer_path_never_imports_transformers():
     script = (
         "import sys, time\n"
         "t = time.perf_counter()\n"
-        "from coreproc.text.tokenizer import eos_token_ids, load_tokenizer\n"
+        "from coreproc.base.tokenizer import eos_token_ids, load_tokenizer\n"
         "from coreproc.text.chat import render_chat\n"
         "from coreproc.text.detokenizer import IncrementalDetokenizer\n"
         f"tok = load_tokenizer({str(DEFAULT_MODEL)!r})\n"

@@ -17,7 +17,7 @@ import msgspec
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from coreproc.protocol import (
+from coreproc.base.protocol import (
     KIND_OF,
     STRUCTURED_KINDS,
     UTILITY_METHODS,

@@ -160,7 +160,7 @@ def model_info(model_dir: Path, dtype: str) -> dict:
 def write_job(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> Path:
     """The prompts and settings every runner reads: N batch prompts, one single prompt and two warm-up
     prompts, all distinct random token ids without special tokens (so no prefix cache hits)."""
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(model_dir))
     config = json.loads((model_dir / "config.json").read_text())

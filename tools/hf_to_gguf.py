@@ -20,7 +20,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
-from workers.gguf_weights import BLOCK, TOP
+from workers.gguf.weights import BLOCK, TOP
 
 ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -28,7 +28,7 @@ CONTROL, NORMAL = 3, 1
 
 
 def gguf_name(name: str) -> str:
-    """llama.cpp's name of a transformers tensor (the inverse of `workers.gguf_weights.hf_name`)."""
+    """llama.cpp's name of a transformers tensor (the inverse of `workers.gguf.weights.hf_name`)."""
     stem, _, suffix = name.rpartition(".")
     for gguf, hf in TOP.items():
         if stem == hf:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from coreproc.config import ModelConfig
+from coreproc.base.config import ModelConfig
 from kernels import AttentionMetadata, select_backend
 from workers.kv_scales import calibrate_kv_scales
 from workers.loader import build_model

@@ -1,7 +1,7 @@
 """A worker rank on another node than the head's (`ember worker --headless`): its link to the core.
 
 Runs in worker processes of node ranks 1.. . The rank's DEALER connects over TCP to the head's
-`coreproc.node_link.NodeLink` (port `--master-port` + 1), with CurveZMQ keys from `--curve-keys` off
+`coreproc.core.node_link.NodeLink` (port `--master-port` + 1), with CurveZMQ keys from `--curve-keys` off
 loopback and ZMTP heartbeats, and first sends `WorkerHello` (rank, node, config). A watchdog thread
 reads the socket's monitor: once connected, a dropped connection (the head died, the link was cut and
 the heartbeat timed out) ends the process, even one blocked in a collective with the lost head.
@@ -22,10 +22,10 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from coreproc.config import EngineConfig
-from coreproc.errors import EmberError
-from coreproc.ipc import Codec, apply_curve_client_dir, apply_heartbeat, is_loopback_endpoint
-from coreproc.protocol import WorkerHello
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import EmberError
+from coreproc.base.ipc import Codec, apply_curve_client_dir, apply_heartbeat, is_loopback_endpoint
+from coreproc.base.protocol import WorkerHello
 
 log = logging.getLogger("ember.worker")
 

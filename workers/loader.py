@@ -23,10 +23,10 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from coreproc.errors import EmberError
-from coreproc.gguf_file import is_gguf, open_gguf
+from coreproc.base.errors import EmberError
+from coreproc.base.gguf_file import is_gguf, open_gguf
 from kernels import AttentionBackend
-from workers.gguf_weights import GGUFTensor, iter_gguf
+from workers.gguf.weights import GGUFTensor, iter_gguf
 from workers.models import resolve
 from workers.models.layers import LMHead, VocabEmbedding, weight_loader_of
 from workers.models.llama import LlamaForCausalLM
@@ -300,7 +300,7 @@ def release_load_memory(collect: bool = False) -> None:
     import ctypes
     import gc
 
-    from coreproc.gguf_file import forget_gguf_files
+    from coreproc.base.gguf_file import forget_gguf_files
 
     forget_gguf_files()
     if collect:

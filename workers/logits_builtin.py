@@ -1,7 +1,7 @@
 """The built-in logits processors: `logit_bias`, `allowed_token_ids`, `bad_words`, `min_tokens`.
 
 They use the same `LogitsProcessor` interface as third-party processors (see
-`coreproc/logits_processors.py`) but read typed `SamplingParams` fields. Validation runs in the
+`coreproc/base/logits_processors.py`) but read typed `SamplingParams` fields. Validation runs in the
 scheduler process and must not import torch; `apply` runs in the workers on float32 logits.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from coreproc.errors import InvalidParam
-from coreproc.logits_processors import LogitsProcessor, Row
-from coreproc.protocol import SamplingParams
+from coreproc.base.errors import InvalidParam
+from coreproc.base.logits_processors import LogitsProcessor, Row
+from coreproc.base.protocol import SamplingParams
 
 MAX_BIAS = 100.0
 

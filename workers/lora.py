@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from coreproc.lora import TARGETS, TENSOR_NAME, WEIGHTS_FILE, LoRAConfig, LoRAError
-from coreproc.protocol import LoRARef
+from coreproc.base.lora import TARGETS, TENSOR_NAME, WEIGHTS_FILE, LoRAConfig, LoRAError
+from coreproc.base.protocol import LoRARef
 from kernels.lora import lora_add_runs_, select_lora_op
 from workers.models.layers import ColumnLinear, RowLinear
 from workers.models.llama import LlamaForCausalLM

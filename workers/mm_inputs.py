@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from coreproc.protocol import MultiModalRef
+from coreproc.base.protocol import MultiModalRef
 
 
 class ImageEncoder(Protocol):

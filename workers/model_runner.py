@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from coreproc.logits_processors import LogitsProcessor, Row
-from coreproc.protocol import LoRARef, RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
+from coreproc.base.logits_processors import LogitsProcessor, Row
+from coreproc.base.protocol import LoRARef, RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
 from workers.draft import DraftJob, DraftProposer, DraftState
 from workers.mm_inputs import EncoderCache, ImageEncoder, RequestImages, StepImages, gather_step_images

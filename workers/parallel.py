@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coreproc.config import EngineConfig
-from coreproc.errors import ConfigError
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from coreproc.config import EngineConfig
-from coreproc.protocol import SpawnWorker
-from coreproc.startup import trace
+from coreproc.base import trace
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import SpawnWorker
 from workers.weight_cache.arena import fault_in
 from workers.weight_cache.client import cache_socket, daemon_pid
 from workers.worker import Prepared, Worker

@@ -1,7 +1,7 @@
 """One rank (pipeline stage x tensor-parallel rank) as a Ray actor: the `ray` backend's worker.
 
 Runs in a Ray actor process on whichever node of the cluster its placement-group bundle landed on.
-The core's `RayExecutor` (coreproc/ray_executor.py) makes it an actor with `ray.remote` and calls it
+The core's `RayExecutor` (coreproc/core/ray_executor.py) makes it an actor with `ray.remote` and calls it
 with the engine config as JSON and every message as the two frames (kind, msgpack body) of a
 protocol struct, never a pickled Ember object: `start` joins the process group (gloo on CPU, NCCL on
 CUDA) at the rank-0 actor's address, loads this rank's shard and answers `WorkerReady`; `execute`
@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from coreproc.config import EngineConfig
-from coreproc.errors import EmberError
-from coreproc.ipc import Codec
-from coreproc.protocol import TO_WORKER, RunnerOutput, StepRequest, StepResult, WorkerFailed
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import EmberError
+from coreproc.base.ipc import Codec
+from coreproc.base.protocol import TO_WORKER, RunnerOutput, StepRequest, StepResult, WorkerFailed
 
 if TYPE_CHECKING:
     from workers.worker import Worker
 
 log = logging.getLogger("ember.worker")
 
-Frames = list[bytes]  # [kind, body] as made by coreproc.ipc.Codec
+Frames = list[bytes]  # [kind, body] as made by coreproc.base.ipc.Codec
 
 
 class RayWorker:

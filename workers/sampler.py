@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coreproc.logits_processors import LogitsProcessor, Row
+from coreproc.base.logits_processors import LogitsProcessor, Row
 from workers.structured import StructuredOutputs
 
 _MASK64 = (1 << 64) - 1

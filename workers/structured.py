@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from coreproc.logits_processors import Row
-from coreproc.protocol import StructuredSpec
+from coreproc.base.logits_processors import Row
+from coreproc.base.protocol import StructuredSpec
 
 log = logging.getLogger("ember.worker")
 
@@ -78,7 +78,7 @@ class StructuredOutputs:
         """Import xgrammar and build its view of the tokenizer (seconds, once per process)."""
         import xgrammar
 
-        from coreproc.text.tokenizer import load_tokenizer
+        from coreproc.base.tokenizer import load_tokenizer
 
         backend = load_tokenizer(self.tokenizer_path).backend_tokenizer
         vocab = backend.get_vocab(with_added_tokens=True)

@@ -19,10 +19,10 @@ from typing import NamedTuple, cast
 
 import torch
 
-from coreproc.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from coreproc.logits_processors import LogitsProcessor, ProcessorContext, engine_specs, load_processors
-from coreproc.protocol import RunnerOutput, SchedulerOutput, WorkerReady
-from coreproc.startup import trace
+from coreproc.base import trace
+from coreproc.base.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from coreproc.base.logits_processors import LogitsProcessor, ProcessorContext, engine_specs, load_processors
+from coreproc.base.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
 from kernels.cpu_gemm import bf16_layout, claim_tiles, select_linear_kernel
 from kernels.native import use_native

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from coreproc.config import EngineConfig
-from coreproc.errors import EmberError
-from coreproc.ipc import Codec
-from coreproc.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
-from coreproc.startup import boot, trace
-from coreproc.startup.orphan import LauncherWatch
+from coreproc.base import boot, trace
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import EmberError
+from coreproc.base.ipc import Codec
+from coreproc.base.orphan import LauncherWatch
+from coreproc.base.protocol import TO_WORKER, RunnerOutput, Shutdown, StepRequest, StepResult, WorkerFailed
 from workers.head_link import connect_head, interface_towards, is_remote
 from workers.parallel import PPGroup, TPGroup, device_index
 
@@ -173,7 +173,7 @@ def run_worker(
     try:
         worker, ready = prepared if prepared is not None else (new_worker(config, rank, runtime_dir), None)
         sock.send_multipart(codec.encode(worker.load(rank == 0 and sys.stderr.isatty(), ready)))
-        boot.settle()  # started by coreproc.startup.boot with the collector off
+        boot.settle()  # started by coreproc.base.boot with the collector off
         watch.started()
         empty = RunnerOutput()
         while True:

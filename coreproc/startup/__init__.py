@@ -2,8 +2,8 @@
 
 The process tree of `ember serve` (every name is the process title):
 
-    ember (frontend: HTTP, tokenizer)          launcher.CoreProcess -> python -m coreproc.startup.boot core
-      └─ ember-core (scheduler, engine core)  spawn.spawn_worker   -> python -m coreproc.startup.boot worker
+    ember (frontend: HTTP, tokenizer)          launcher.CoreProcess -> python -m coreproc.base.boot core
+      └─ ember-core (scheduler, engine core)  spawn.spawn_worker   -> python -m coreproc.base.boot worker
            └─ ember-worker-<rank> ...
 
     ember-preload (`ember preload`, separate)  workers.weight_cache.preload

@@ -17,15 +17,15 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from coreproc.channel import send_msg
-from coreproc.protocol import ServeExit, SpawnServe, SpawnWorker
+from coreproc.base.channel import send_msg
+from coreproc.base.protocol import ServeExit, SpawnServe, SpawnWorker
 from coreproc.startup.spawn import ENV_PREFIXES
 
 log = logging.getLogger("ember.zygote")
 
 # named, not imported: the frontend sits above this layer (its entry points are looked up by name)
 SERVE_ENTRY = ("frontend.launch", "forked")
-ROLE_MAINS = {"worker": "workers.worker_proc", "core": "coreproc.core_proc"}
+ROLE_MAINS = {"worker": "workers.worker_proc", "core": "coreproc.core.server"}
 
 
 Spawn = SpawnWorker | SpawnServe

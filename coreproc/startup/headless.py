@@ -20,9 +20,9 @@ from pathlib import Path
 
 import msgspec
 
-from coreproc.config import EngineConfig
-from coreproc.errors import ConfigError
-from coreproc.ipc import is_loopback_endpoint, make_runtime_dir, remove_runtime_dir
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import ConfigError
+from coreproc.base.ipc import is_loopback_endpoint, make_runtime_dir, remove_runtime_dir
 from coreproc.startup.spawn import spawn_worker
 from coreproc.startup.zygote_link import ForkedProcess
 

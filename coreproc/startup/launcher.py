@@ -1,8 +1,8 @@
 """Starts an `ember-core` process (which starts its workers) and waits for its typed READY.
 
 Runs in the process that needs an engine behind a socket: the HTTP frontend, tests, benchmarks.
-It creates the launch's private runtime directory (0700), starts `python -m coreproc.startup.boot core`
-(coreproc.core_proc, collector paused while it starts) with the config as JSON on stdin, or has the
+It creates the launch's private runtime directory (0700), starts `python -m coreproc.base.boot core`
+(coreproc.core.server, collector paused while it starts) with the config as JSON on stdin, or has the
 preload zygote fork it (`--load-format ipc_cache`, coreproc.startup.spawn), and waits
 for `CoreReady` on a one-shot socket, with a timeout, watching the child. `stop()` sends SIGTERM
 (graceful), then kills what is left and removes the directory. `CoreGroup` starts the cores of
@@ -24,10 +24,10 @@ from typing import Any
 import msgspec
 import zmq
 
-from coreproc.config import EngineConfig
-from coreproc.errors import EmberError
-from coreproc.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
-from coreproc.protocol import CoreReady
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import EmberError
+from coreproc.base.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
+from coreproc.base.protocol import CoreReady
 from coreproc.startup.spawn import spawn_engine_process
 from coreproc.startup.zygote_link import ForkedProcess
 

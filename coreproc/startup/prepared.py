@@ -28,10 +28,10 @@ from typing import NoReturn
 
 import msgspec
 
-from coreproc.channel import recv_msg, send_msg
-from coreproc.config import EngineConfig
-from coreproc.protocol import PreparedReady, PreparedTake, SpawnReply, SpawnWorker, ZygoteState
-from coreproc.startup import trace
+from coreproc.base import trace
+from coreproc.base.channel import recv_msg, send_msg
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import PreparedReady, PreparedTake, SpawnReply, SpawnWorker, ZygoteState
 
 log = logging.getLogger("ember.zygote")
 

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from coreproc.channel import recv_msg, send_msg
-from coreproc.protocol import SpawnWorker, ZygoteQuery, ZygoteState
-from coreproc.startup import standby
+from coreproc.base import standby
+from coreproc.base.channel import recv_msg, send_msg
+from coreproc.base.protocol import SpawnWorker, ZygoteQuery, ZygoteState
 from coreproc.startup.zygote_link import ForkedProcess, code_stamp, connect_zygote, fork_from, zygote_at
 
 if TYPE_CHECKING:  # imported by `ember serve`'s launcher, which stays light
-    from coreproc.config import EngineConfig
+    from coreproc.base.config import EngineConfig
 
 log = logging.getLogger("ember.spawn")
 
@@ -39,10 +39,10 @@ def worker_env() -> dict[str, str]:
     Spinning briefly after a parallel region suits workers: a decode step runs dozens of parallel ops
     back to back, and sleeping between them (OMP_WAIT_POLICY=PASSIVE) made batch-1 decode ~30% slower
     on 2 cores. But libgomp's default spin (300,000 rounds) made a worker 8-10x slower beside one busy
-    process on the same cores, so workers spin 3,000 rounds (`coreproc.host.worker_openmp_env`).
+    process on the same cores, so workers spin 3,000 rounds (`coreproc.base.host.worker_openmp_env`).
     OMP_WAIT_POLICY / GOMP_SPINCOUNT set by the user pass through.
     """
-    from coreproc.host import worker_openmp_env
+    from coreproc.base.host import worker_openmp_env
 
     return worker_openmp_env(dict(os.environ))
 
@@ -81,8 +81,8 @@ def spawn_engine_process(
 ) -> subprocess.Popen | ForkedProcess:
     """A `role` ("core" or "worker") process running its main with `argv` and the config on stdin:
     forked by the preload zygote when there is one (see `zygote_socket`), else the one this process
-    started on standby (coreproc.startup.standby), else a fresh interpreter (`python -m
-    coreproc.startup.boot ROLE`, collector off)."""
+    started on standby (coreproc.base.standby), else a fresh interpreter (`python -m
+    coreproc.base.boot ROLE`, collector off)."""
     zygote = zygote_socket(config)
     if zygote is not None:
         env = {k: v for k, v in worker_env().items() if k.startswith(ENV_PREFIXES)}
@@ -99,7 +99,7 @@ def spawn_engine_process(
     if waiting is not None:
         return waiting
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coreproc.startup.boot", role, *argv],
+        [sys.executable, "-m", "coreproc.base.boot", role, *argv],
         stdin=subprocess.PIPE,
         env=worker_env(),
     )

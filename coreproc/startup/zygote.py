@@ -28,9 +28,9 @@ import socket
 import sys
 from pathlib import Path
 
-from coreproc.channel import peer_uid, recv_msg, send_msg
-from coreproc.model_config import ARCHITECTURES
-from coreproc.protocol import SpawnReply, SpawnServe, SpawnWorker, ZygoteQuery, ZygoteRequest
+from coreproc.base.channel import peer_uid, recv_msg, send_msg
+from coreproc.base.model_config import ARCHITECTURES
+from coreproc.base.protocol import SpawnReply, SpawnServe, SpawnWorker, ZygoteQuery, ZygoteRequest
 from coreproc.startup.forked import ROLE_MAINS, Spawn, child
 from coreproc.startup.prepared import PreparedSlot
 from coreproc.startup.zygote_link import ZYGOTE_SOCKET, code_stamp
@@ -44,7 +44,7 @@ ENGINE_MODULES = (
     "transformers.models.mistral.configuration_mistral",
     "transformers.models.qwen2.configuration_qwen2",
     "transformers.models.qwen3.configuration_qwen3",
-    "coreproc.core_proc",
+    "coreproc.core.server",
     "workers.worker_proc",
     "workers.worker",
     *dict.fromkeys(target.split(":")[0] for target in ARCHITECTURES.values()),  # the model classes
@@ -54,18 +54,18 @@ ENGINE_MODULES = (
     "workers.quant.int4",
 )
 # named, not imported: the frontend sits above this layer (its entry points are looked up by name)
-SERVE_MODULES = ("uvicorn", "uvloop", "frontend.cli", "frontend.serve", "frontend.api_server")
+SERVE_MODULES = ("uvicorn", "uvloop", "frontend.cli", "frontend.serve", "frontend.http.server")
 
 
 def prepare(warm: list[str]) -> None:
     """Fill this process's caches, which every child inherits: the preloaded models' tokenizers and
-    GGUF headers (coreproc.text.tokenizer and coreproc.gguf_file share them within a process), the
+    GGUF headers (coreproc.base.tokenizer and coreproc.base.gguf_file share them within a process), the
     engine options' annotations and the installed logits processors."""
-    from coreproc.config import ENGINE_SECTIONS
-    from coreproc.gguf_file import is_gguf, open_gguf
-    from coreproc.logits_processors import installed_specs
-    from coreproc.options import settings
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.config import ENGINE_SECTIONS
+    from coreproc.base.gguf_file import is_gguf, open_gguf
+    from coreproc.base.logits_processors import installed_specs
+    from coreproc.base.options import settings
+    from coreproc.base.tokenizer import load_tokenizer
 
     list(settings(ENGINE_SECTIONS))  # the options' resolved annotations, for the CLI's parser
     installed_specs()  # the installed logits processors, read once

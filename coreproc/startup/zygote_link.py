@@ -3,7 +3,7 @@
 Runs in the processes that ask the zygote to fork one (the `ember` launcher, a frontend starting its
 core, a core starting its workers). It imports nothing heavy: the launcher of a warm `ember serve`
 spends ~0.1 s less than when it imported msgspec and the protocol. So requests travel as JSON (the
-zygote decodes them into coreproc.protocol's `ZygoteRequest` with msgspec; the launcher writes its
+zygote decodes them into coreproc.base.protocol's `ZygoteRequest` with msgspec; the launcher writes its
 `SpawnServe` with the standard library), and the answers (`SpawnReply`, `ServeExit`) are read here as
 plain JSON. `ForkedProcess` is the handle of a forked process: `poll`, `wait`, `send_signal`, `kill`,
 like a `subprocess.Popen`.
@@ -20,8 +20,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from coreproc.channel import default_socket_dir, peer_creds, recv_frame, send_frame
-from coreproc.startup.orphan import exited
+from coreproc.base.channel import default_socket_dir, peer_creds, recv_frame, send_frame
+from coreproc.base.orphan import exited
 
 ZYGOTE_SOCKET = "zygote.sock"
 

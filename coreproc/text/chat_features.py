@@ -14,9 +14,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from coreproc.errors import ConfigError
-from coreproc.options import option
-from coreproc.protocol import StructuredKind, StructuredSpec
+from coreproc.base.errors import ConfigError
+from coreproc.base.options import option
+from coreproc.base.protocol import StructuredKind, StructuredSpec
 from coreproc.text.openai_fields import FieldPolicy, NamedToolChoice
 from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
 from coreproc.text.reasoning import REASONING_PARSERS, ReasoningParser

@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from coreproc.protocol import SamplingParams
+from coreproc.base.protocol import SamplingParams
 
 # prompt tokens fed to the stream first, so the first generated token decodes in context
 _CONTEXT_TOKENS = 6

@@ -47,8 +47,8 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from coreproc.errors import ConfigError
-from coreproc.protocol import MultiModalRef, PixelData
+from coreproc.base.errors import ConfigError
+from coreproc.base.protocol import MultiModalRef, PixelData
 from coreproc.text import media_fetch, media_worker
 from coreproc.text.media_config import MediaConfig, MediaKwargs
 from coreproc.text.openai_protocol import RequestError

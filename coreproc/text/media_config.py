@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from coreproc.errors import ConfigError
-from coreproc.options import option
+from coreproc.base.errors import ConfigError
+from coreproc.base.options import option
 from coreproc.text.openai_protocol import RequestError
 
 DEFAULT_IMAGES_PER_PROMPT = 4

@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from coreproc.errors import EmberError, InvalidParam
-from coreproc.limits import RequestLimits
-from coreproc.protocol import SamplingParams, StructuredSpec
+from coreproc.base.errors import EmberError, InvalidParam
+from coreproc.base.limits import RequestLimits
+from coreproc.base.protocol import SamplingParams, StructuredSpec
 from coreproc.text.openai_fields import (
     AssistantToolCall,
     FieldPolicy,

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from coreproc.protocol import FinishReason
+from coreproc.base.protocol import FinishReason
+from coreproc.text.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 if TYPE_CHECKING:
     from coreproc.text.chat_features import OutputParser

@@ -18,8 +18,7 @@ from typing import Any
 
 import msgspec
 
-from coreproc.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from coreproc.protocol import (
+from coreproc.base.protocol import (
     EngineOutput,
     EngineRequest,
     FinishReason,
@@ -29,6 +28,7 @@ from coreproc.protocol import (
     TokenLogprobs,
 )
 from coreproc.text.detokenizer import IncrementalDetokenizer
+from coreproc.text.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
 
 @dataclass

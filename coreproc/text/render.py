@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from coreproc.outputs import RequestOutput
-from coreproc.protocol import MultiModalRef
+from coreproc.base.protocol import MultiModalRef
 from coreproc.text import openai_protocol as oai
 from coreproc.text import openai_responses as oresp
 from coreproc.text.chat import chat_images, render_chat
@@ -21,6 +20,7 @@ from coreproc.text.chat_features import ChatFeatures
 from coreproc.text.media import ImagePart, MediaIntake
 from coreproc.text.media_config import MediaKwargs
 from coreproc.text.openai_protocol import ChatCompletionRequest, CompletionRequest, RequestError
+from coreproc.text.outputs import RequestOutput
 
 
 class Prompt(NamedTuple):

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from coreproc.config import ConfigError, EngineConfig
-from coreproc.protocol import SamplingParams, SchedulerStats
+from coreproc.base.config import ConfigError, EngineConfig
+from coreproc.base.protocol import SamplingParams, SchedulerStats
 from frontend.bench.workloads import add_workload_arguments, honors_eos, workload_prompts
 
 if TYPE_CHECKING:
-    from coreproc.llm import LLM
+    from coreproc.client.llm import LLM
 
 
 SPLIT = ("forward_seconds", "draft_seconds", "sample_seconds", "schedule_seconds")
@@ -279,7 +279,7 @@ def print_steps(r: dict) -> None:
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    from coreproc.llm import LLM
+    from coreproc.client.llm import LLM
 
     if (
         min(args.input_len, args.batch_size, args.num_iters) < 1

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from coreproc.config import EngineConfig
-from coreproc.gguf_file import is_gguf
-from coreproc.model_config import MODEL_HELP
+from coreproc.base.config import EngineConfig
+from coreproc.base.gguf_file import is_gguf
+from coreproc.base.model_config import MODEL_HELP
 from coreproc.startup.spawn import wait_prepared
 from coreproc.startup.zygote_link import ZYGOTE_SOCKET
 from frontend.bench import restart_trace

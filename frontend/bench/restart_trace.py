@@ -2,7 +2,7 @@
 
 Runs in the user's shell. A timed start runs with $EMBER_STARTUP_TRACE naming a fresh file, so every
 process of it (the frontend, the engine cores, the workers, a snapshot restore's controller) appends
-its phases there (coreproc.startup.trace); the benchmark adds its own marks as the "client" (launch,
+its phases there (coreproc.base.trace); the benchmark adds its own marks as the "client" (launch,
 /health answered, first token back). `table` prints the phases against the launch, one row each, by
 start; `plot` draws them as a timeline, one lane per process and one panel per kind of start.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from coreproc.startup import trace
+from coreproc.base import trace
 
 CLIENT = "client"
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import msgspec
 
-from coreproc.config import EngineConfig
-from coreproc.protocol import SamplingParams, SchedulerStats, StructuredSpec
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import SamplingParams, SchedulerStats, StructuredSpec
 from frontend.bench.workloads import add_workload_arguments, workload_prompts
 
 STRUCTURED = ("none", "json-schema", "regex", "choice")
@@ -212,7 +212,7 @@ def results_of(
 
 
 def run_inproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
-    from coreproc.llm import LLM
+    from coreproc.client.llm import LLM
 
     timed = []
     with LLM(config=config, show_progress=False) as llm:
@@ -230,7 +230,7 @@ def run_inproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
 
 
 def run_multiproc(config: EngineConfig, workloads: list[Workload]) -> list[Result]:
-    from coreproc.client import connect_engines
+    from coreproc.client.sdk import connect_engines
     from coreproc.startup.launcher import CoreGroup
 
     async def drive(addresses: list[str]) -> tuple[list[Timed], Any]:
@@ -267,7 +267,7 @@ def run_multiproc(config: EngineConfig, workloads: list[Workload]) -> list[Resul
 def workloads_of(args: argparse.Namespace, config: EngineConfig, tokenizer: Any) -> list[Workload]:
     """The free run, with --structured the constrained one, with --lora the mixed-adapter one; each
     has its own prompts."""
-    from coreproc.config import ConfigError
+    from coreproc.base.config import ConfigError
 
     vocab_size = config.model.vocab_size
     n = args.num_prompts
@@ -335,13 +335,13 @@ def print_report(args: argparse.Namespace, config: EngineConfig, results: list[R
 
 
 def run(args: argparse.Namespace, config: EngineConfig) -> int:
-    from coreproc.text.tokenizer import load_tokenizer
+    from coreproc.base.tokenizer import load_tokenizer
 
     tok = load_tokenizer(config.model.tokenizer)
     workloads = workloads_of(args, config, tok)
     results = []
     if args.quantization_methods:
-        from coreproc.config import ConfigError
+        from coreproc.base.config import ConfigError
         from workers.quant import resolve_name
 
         for name in args.quantization_methods.split(","):

@@ -20,7 +20,7 @@ import inspect
 import random
 from typing import Any
 
-from coreproc.errors import EmberError
+from coreproc.base.errors import EmberError
 
 WORKLOADS = ("random", "copy", "rewrite", "complete")
 SOURCES = ("textwrap", "heapq", "bisect", "fractions", "string", "shlex", "calendar", "colorsys")

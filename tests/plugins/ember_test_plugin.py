@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from coreproc.base.protocol import SamplingParams
 from coreproc.logits_processors import LogitsProcessor, Row
-from coreproc.protocol import SamplingParams
 
 
 class ForceToken(LogitsProcessor):

@@ -1,7 +1,7 @@
 """compare_peers runner for Ember itself, through its offline API (`coreproc.LLM`) in this process.
 
 Usage: `python -m tools.peers.run_ember JOB.json` from the repository root. Starts as Ember's own engine
-process does (`coreproc.startup.boot`: no garbage collection from the first import until the engine is
+process does (`coreproc.base.boot`: no garbage collection from the first import until the engine is
 up, then `settle()`), builds the engine (on the job's GGUF file when it names one), times its first
 request's first token, warms up, times one
 `generate` of all batch prompts, one streamed single request and one long prompt's prefill (the timing
@@ -42,10 +42,10 @@ def main(job_path: str) -> None:
     import torch
 
     torch.set_num_threads(job["threads"])
-    from coreproc.config import EngineConfig
-    from coreproc.llm import LLM
-    from coreproc.protocol import SamplingParams
-    from coreproc.startup import boot
+    from coreproc.base import boot
+    from coreproc.base.config import EngineConfig
+    from coreproc.base.protocol import SamplingParams
+    from coreproc.client.llm import LLM
     from frontend.bench.latency import time_request
 
     params = SamplingParams(temperature=0.0, max_tokens=job["output_len"], ignore_eos=True)

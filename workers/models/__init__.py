@@ -1,4 +1,4 @@
-"""The model classes of the architecture registry (coreproc.model_config.ARCHITECTURES).
+"""The model classes of the architecture registry (coreproc.base.model_config.ARCHITECTURES).
 
 Runs in worker processes. Entries name a module and a class so that looking up what is supported
 never imports torch; `resolve()` imports the class.
@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from coreproc.model_config import ARCHITECTURES
+from coreproc.base.model_config import ARCHITECTURES
 
 if TYPE_CHECKING:
     from workers.models.llama import LlamaForCausalLM
 
-SUPPORTED_ARCHITECTURES = ARCHITECTURES  # the registry lives in the shared base (coreproc.model_config)
+SUPPORTED_ARCHITECTURES = ARCHITECTURES  # the registry lives in the shared base (coreproc.base.model_config)
 
 
 def resolve(architecture: str) -> type[LlamaForCausalLM]:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
-from workers.gguf_weights import GGUFTensor
+from workers.gguf.weights import GGUFTensor
 from workers.models.ops import LayerOps, OpModule
 from workers.parallel import TPGroup
 from workers.quant.base import QuantLayer, QuantMethod, Unquantized

@@ -14,7 +14,7 @@ import importlib
 import logging
 from typing import Any
 
-from coreproc.model_config import resolve_quantization
+from coreproc.base.model_config import resolve_quantization
 
 log = logging.getLogger("ember.quant")
 

@@ -2,11 +2,11 @@
 
 Runs in worker processes (and the preload daemon). Chosen for a GGUF checkpoint on the CPU fast path
 when no `--quantization` is given. The loader hands each layer its tensors' stored bytes
-(`workers.gguf_weights.GGUFTensor`, through `load_quantized`), sliced for this rank (rows of a fused
+(`workers.gguf.weights.GGUFTensor`, through `load_quantized`), sliced for this rank (rows of a fused
 projection's shard, inputs of a row-parallel layer at group boundaries, a vocabulary shard). After
 loading, the shards of a layer that share a format are packed together (`kernels.qgemm`): natively
-straight from the file's bytes (`workers.gguf_weights.pack_tensors`), else repacked exactly first
-(`workers.gguf_repack`). A fused layer whose shards differ (Q5_0 q and k, Q8_0 v) keeps one segment per
+straight from the file's bytes (`workers.gguf.weights.pack_tensors`), else repacked exactly first
+(`workers.gguf.repack`). A fused layer whose shards differ (Q5_0 q and k, Q8_0 v) keeps one segment per
 format, all in one flat uint8 tensor described by `quant_attrs`, and its matmul concatenates the
 segments' outputs. A layer the file stores in floats (F16 / F32) gets the packed bf16 matmul. The LM
 head is packed like any layer (tied heads too: the embedding keeps the stored rows and decodes
@@ -21,8 +21,8 @@ import torch
 
 from kernels.cpu_gemm import bf16_layout, gemm_bf16, pack_bf16
 from kernels.qgemm import QFormat, qgemm
-from workers.gguf_repack import Repacked, concat
-from workers.gguf_weights import GGUFTensor, pack_tensors
+from workers.gguf.repack import Repacked, concat
+from workers.gguf.weights import GGUFTensor, pack_tensors
 from workers.quant.base import QuantLayer, QuantMethod
 from workers.quant.qpacked import qformat
 

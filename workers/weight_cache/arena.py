@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from coreproc.protocol import CacheTensor
+from coreproc.base.protocol import CacheTensor
 from workers.models.layers import VocabEmbedding
 from workers.quant.base import QuantLayer
 

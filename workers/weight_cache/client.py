@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from coreproc.channel import default_socket_dir, peer_creds, peer_uid, recv_msg, send_msg
-from coreproc.config import EngineConfig
-from coreproc.protocol import CacheReply, CacheRequest
-from coreproc.startup import trace
+from coreproc.base import trace
+from coreproc.base.channel import default_socket_dir, peer_creds, peer_uid, recv_msg, send_msg
+from coreproc.base.config import EngineConfig
+from coreproc.base.protocol import CacheReply, CacheRequest
 from kernels import AttentionBackend
 from workers.models.layers import VocabEmbedding
 from workers.parallel import TPGroup

@@ -28,10 +28,10 @@ import msgspec
 import torch
 import zmq
 
-from coreproc.channel import close_fds, peer_uid, recv_msg, send_msg
-from coreproc.config import EngineConfig
-from coreproc.ipc import Codec
-from coreproc.protocol import CacheReply, CacheRequest, DaemonReady
+from coreproc.base.channel import close_fds, peer_uid, recv_msg, send_msg
+from coreproc.base.config import EngineConfig
+from coreproc.base.ipc import Codec
+from coreproc.base.protocol import CacheReply, CacheRequest, DaemonReady
 from workers.loader import release_load_memory
 from workers.parallel import device_index
 from workers.weight_cache.arena import CpuArena, export_cuda, module_attrs, named_tensors, repoint

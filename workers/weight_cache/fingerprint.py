@@ -18,10 +18,10 @@ import stat
 import struct
 from pathlib import Path
 
-from coreproc.config import EngineConfig
-from coreproc.gguf_file import is_gguf, open_gguf
-from coreproc.host import engine_version
-from coreproc.protocol import Fingerprint
+from coreproc.base.config import EngineConfig
+from coreproc.base.gguf_file import is_gguf, open_gguf
+from coreproc.base.host import engine_version
+from coreproc.base.protocol import Fingerprint
 
 SAMPLES_PER_SHARD = 16
 SAMPLE_BYTES = 4096

@@ -25,11 +25,11 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from coreproc.config import EngineConfig
-from coreproc.errors import ConfigError
-from coreproc.host import worker_openmp_env
-from coreproc.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
-from coreproc.protocol import DaemonReady
+from coreproc.base.config import EngineConfig
+from coreproc.base.errors import ConfigError
+from coreproc.base.host import worker_openmp_env
+from coreproc.base.ipc import Codec, bind, ipc_endpoint, make_runtime_dir, remove_runtime_dir
+from coreproc.base.protocol import DaemonReady
 
 
 @dataclass
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def socket_dir(args: argparse.Namespace) -> Path:
-    from coreproc.channel import default_socket_dir
+    from coreproc.base.channel import default_socket_dir
     from workers.weight_cache.fingerprint import check_socket_dir
 
     given = args.socket_dir is not None
