@@ -96,7 +96,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
 
     The four special tokens take ids 0-3 and a template post-processor prepends ``<|bos|>``.
     tokenizer.json is byte-identical across runs, processes and rayon thread counts (checked for
-    1-16 threads; tests/test_make_model.py re-checks a second training in-process).
+    1-16 threads; tests/frontend/test_make_model.py re-checks a second training in-process).
     """
     if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
         raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS) + 1}, got {vocab_size}")

@@ -72,7 +72,9 @@ def test_public_import_paths_still_work(path: str, names: list[str]) -> None:
 
 @pytest.mark.unit
 def test_python_m_coreproc_batch_still_parses() -> None:
-    out = subprocess.run([sys.executable, "-m", "coreproc", "batch", "--help"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "coreproc", "batch", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "--input" in out.stdout, out.stderr
 
 

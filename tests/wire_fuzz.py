@@ -1,6 +1,6 @@
 """Hypothesis strategies for the wire fuzz tests: garbage, truncated and ill-shaped protocol frames.
 
-Not a test module (imported by tests/test_fuzz_wire.py and tests/test_fuzz_links.py). A frame list is
+Not a test module (imported by tests/e2e/test_fuzz_wire.py and tests/e2e/test_fuzz_links.py). A frame list is
 what a peer sends after ZeroMQ's routing identity: normally [kind byte, msgpack body]. The strategies
 mix pure noise, a real kind with noise, real messages cut short or with a byte flipped, msgpack of the
 wrong shape, wrong frame counts, and `SubmitRequests` whose fields hold NaN, infinities, negative and

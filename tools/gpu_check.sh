@@ -22,9 +22,9 @@ $PY -c 'import torch, triton, transformers; print("torch", torch.__version__, "t
 status=0
 
 echo "== gpu tests and Triton kernels on the device"
-timeout 420 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py \
-    tests/kernel_ops/test_decode_attention.py tests/kernel_ops/test_prefill_attention.py \
-    tests/kernel_ops/test_kv_write.py tests/kernel_ops/test_int4_matmul.py tests/kernel_ops/test_backend.py \
+timeout 420 $PY -m pytest -q -p no:cacheprovider tests/workers/test_gpu.py \
+    tests/kernels/test_decode_attention.py tests/kernels/test_prefill_attention.py \
+    tests/kernels/test_kv_write.py tests/kernels/test_int4_matmul.py tests/kernels/test_backend.py \
     -s -k "${GPU_TESTS:-}" 2>&1 | grep -v "it/s]" | tail -60 || status=1
 
 echo "== compare_peers on the GPU (random-weight Llama, bf16)"

@@ -52,7 +52,7 @@ HPARAMS = {
 }
 REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
 ROPE_SCALING = ("linear", "yarn")
-# the tensor types workers.gguf.dequant reads (tests/test_gguf_dequant.py keeps the two equal)
+# the tensor types workers.gguf.dequant reads (tests/workers/test_gguf_dequant.py keeps the two equal)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 

@@ -1,0 +1,1 @@
+"""Tests of coreproc/client: the tree under tests/ mirrors the source tree."""

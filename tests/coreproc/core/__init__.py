@@ -1,0 +1,1 @@
+"""Tests of coreproc/core: the tree under tests/ mirrors the source tree."""

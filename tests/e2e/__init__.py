@@ -1,0 +1,1 @@
+"""Tests of e2e: the tree under tests/ mirrors the source tree."""

@@ -1,0 +1,1 @@
+"""Tests of frontend: the tree under tests/ mirrors the source tree."""

@@ -1,0 +1,1 @@
+"""Tests of kernels: the tree under tests/ mirrors the source tree."""

@@ -1,0 +1,1 @@
+"""Tests of tools: the tree under tests/ mirrors the source tree."""

@@ -1,0 +1,1 @@
+"""Tests of workers: the tree under tests/ mirrors the source tree."""
