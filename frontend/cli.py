@@ -328,10 +328,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser `ember ARGV` is read with: every subcommand, with the flags of the one `argv` names.
+    Builds the parser only (nothing runs); the tests parse the command lines the docs show with it."""
+    return build_parser(command_of(argv))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(command_of(argv))
-    args = parser.parse_args(argv)
+    args = parser_for(argv).parse_args(argv)
     args.argv = list(argv)  # `ember serve --api-server-count` starts its other API servers with it
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
