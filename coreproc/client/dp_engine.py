@@ -28,6 +28,7 @@ class DPEngine:
 
     def __init__(self, config: EngineConfig, show_progress: bool = True) -> None:
         self.config = config
+        self._overlap = config.scheduler.async_scheduling or config.parallel.pipeline_parallel_size > 1
         self.cores: list[EngineCore] = []
         self._dirs: list[Path] = []
         try:
@@ -36,7 +37,8 @@ class DPEngine:
                 cfg = dataclasses.replace(config, parallel=parallel)
                 self._dirs.append(make_runtime_dir())
                 executor = make_executor(cfg, self._dirs[-1], show_progress and rank == 0)
-                self.cores.append(EngineCore(cfg, executor))
+                overlapped = config.scheduler.async_scheduling
+                self.cores.append(EngineCore(cfg, executor, overlapped=overlapped))
         except BaseException:
             self.shutdown()
             raise
@@ -47,8 +49,6 @@ class DPEngine:
             slack=max(8, config.scheduler.max_num_seqs // 2),
         )
         self._where: dict[str, int] = {}  # request id -> its core
-        sched = config.scheduler
-        self._overlap = sched.async_scheduling or config.parallel.pipeline_parallel_size > 1
 
     @property
     def scheduler(self) -> Scheduler:
@@ -88,7 +88,7 @@ class DPEngine:
         if self._overlap:
             for core in self.cores:
                 if core.has_unfinished_requests():
-                    outputs += core.step_overlapped()
+                    outputs += core.step()  # its own steps in flight: overlapped or pipelined
         else:
             launched: list[tuple[EngineCore, SchedulerOutput]] = []
             for core in self.cores:

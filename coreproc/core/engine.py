@@ -1,15 +1,21 @@
 """EngineCore: the scheduler loop around an executor, as a short named sequence per step.
 
 Runs in the scheduler process (or in-process under the offline `LLM` and batch mode). Takes
-`EngineRequest`s and aborts, produces `EngineOutput`s. `step()` = schedule -> execute -> update.
-`step_overlapped()` keeps one step in flight: it schedules step N+1 while the workers run step N
-(tokens being sampled are held as placeholders), which hides the scheduler's work behind the model's.
-With P pipeline stages both calls run `step_pipelined()`: up to P micro-batches of disjoint requests in
-flight, so every stage has work while the others run theirs.
+`EngineRequest`s and aborts, produces `EngineOutput`s. One of three step functions is chosen when the
+engine is built, and `step()` (blocking) and `advance()` (never waits on the workers) both run it:
+- sync: schedule -> submit -> wait -> update;
+- overlapped (`async_scheduling`): step N+1 is scheduled while the workers run step N (tokens being
+  sampled are held as placeholders) and submitted as soon as N is taken in, hiding the scheduler's
+  work behind the model's;
+- pipelined (P pipeline stages): up to P micro-batches of disjoint requests in flight, so every stage
+  has work while the others run theirs.
+The core process's loop (coreproc.core.server) calls `advance()` and, while a step is in flight,
+waits on the executor's `poll` and its client socket together: requests and aborts reach the
+scheduler between calls, never from inside one.
 The KV block count comes from the workers' `WorkerReady` messages, never from the config.
 Never stuck: steps that schedule nothing while work is queued fail that work, and `check_stall()`
-(the watchdog, called from the core loop, while waiting on workers and by `stats()`) reports work held
-with no step completed for `stall_timeout` seconds, logging the scheduler state once per stall.
+(the watchdog, called from the core loop and by `stats()`) reports work held with no step completed
+for `stall_timeout` seconds, logging the scheduler state once per stall.
 """
 
 from __future__ import annotations
@@ -36,7 +42,11 @@ class EngineCore:
     """Scheduler + executor; not thread-safe (one caller drives the steps)."""
 
     def __init__(
-        self, config: EngineConfig, executor: Executor | None = None, show_progress: bool = True
+        self,
+        config: EngineConfig,
+        executor: Executor | None = None,
+        show_progress: bool = True,
+        overlapped: bool = False,
     ) -> None:
         self.config = config
         self._runtime_dir: Path | None = None
@@ -52,12 +62,17 @@ class EngineCore:
         num_blocks = min(r.num_kv_blocks for r in self.executor.ready)
         self.scheduler = Scheduler(config, num_blocks)
         self._idle_steps = 0
-        self._in_flight: SchedulerOutput | None = None
+        self._in_flight: SchedulerOutput | None = None  # the submitted step (sync and overlapped)
+        self._upcoming: SchedulerOutput | None = None  # overlapped: the next step, planned meanwhile
         self.depth = config.parallel.pipeline_parallel_size  # micro-batches in flight at most
         self._batches: deque[SchedulerOutput] = deque()  # pipeline micro-batches in flight, oldest first
         self.max_steps_in_flight = 0
         self.last_step_end = time.monotonic()
         self._stall_reported = False
+        if self.depth > 1:
+            self._advance = self._advance_pipelined
+        else:
+            self._advance = self._advance_overlapped if overlapped else self._advance_sync
 
     def add_request(self, request: EngineRequest) -> None:
         self.add_requests([request])
@@ -73,16 +88,21 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None or bool(self._batches)
+        return self.scheduler.has_unfinished_requests() or self.in_flight()
+
+    def in_flight(self) -> bool:
+        """A step is submitted and not yet taken in."""
+        return self._in_flight is not None or bool(self._batches)
 
     def step(self) -> list[EngineOutput]:
-        """Run one engine step; returns the outputs of every request that made progress."""
-        if self.depth > 1:
-            return self.step_pipelined()
-        if self._in_flight is not None:
-            return self.step_overlapped()
-        launched = self.launch()
-        return [] if launched is None else self.finish(launched)
+        """Run one engine step, waiting for the workers; the outputs of every request that made
+        progress (pipelined: [] while it fills the pipeline)."""
+        return self._advance(True)
+
+    def advance(self) -> list[EngineOutput]:
+        """Do what the engine can without waiting for the workers: schedule and submit, and take in
+        a step they have finished; [] when the step in flight is not done yet."""
+        return self._advance(False)
 
     def launch(self) -> SchedulerOutput | None:
         """The first half of a synchronous `step`: schedule and submit (None: nothing to do). Several
@@ -97,37 +117,53 @@ class EngineCore:
         """The second half of a synchronous `step`: wait for the launched step and take in its result."""
         return self._finish(scheduler_output)
 
-    def step_overlapped(self) -> list[EngineOutput]:
-        """Like `step`, but the next step is scheduled and submitted before this call returns."""
-        if self.depth > 1:
-            return self.step_pipelined()
+    def _done(self, block: bool) -> bool:
+        """Whether the oldest submitted step can be taken in now (blocking: always, by waiting)."""
+        return block or self.executor.poll(0)
+
+    def _advance_sync(self, block: bool) -> list[EngineOutput]:
         if self._in_flight is None:
-            if not self.scheduler.has_unfinished_requests():
+            self._in_flight = self.launch()
+            if self._in_flight is None:
                 return []
-            self._in_flight = self.scheduler.schedule()
-            self.executor.submit(self._in_flight)
+        if not self._done(block):
+            return []
         running, self._in_flight = self._in_flight, None
-        upcoming = self.scheduler.schedule() if self.scheduler.has_unfinished_requests() else None
+        return self._finish(running)
+
+    def _advance_overlapped(self, block: bool) -> list[EngineOutput]:
+        if self._in_flight is None:
+            self._in_flight = self.launch()
+            if self._in_flight is None:
+                return []
+        if self._upcoming is None and self.scheduler.has_unfinished_requests():
+            self._upcoming = self.scheduler.schedule()  # planned while the workers run the step in flight
+        if not self._done(block):
+            return []
+        running, self._in_flight = self._in_flight, None
+        upcoming, self._upcoming = self._upcoming, None
         outputs = self._finish(running)
         if upcoming is not None and (upcoming.total_num_scheduled_tokens or upcoming.finished_req_ids):
             self.executor.submit(upcoming)
             self._in_flight = upcoming
         return outputs
 
-    def step_pipelined(self) -> list[EngineOutput]:
-        """Pipeline parallelism: submit a micro-batch of requests not already in flight while fewer than
-        `depth` are; once the queue is full or nothing more can be scheduled, finish the oldest. Returns
-        [] while it is still filling the queue."""
-        if len(self._batches) < self.depth and self.scheduler.has_unfinished_requests():
+    def _advance_pipelined(self, block: bool) -> list[EngineOutput]:
+        """Submit micro-batches of requests not already in flight while fewer than `depth` are; then
+        take in the oldest once it is done."""
+        while len(self._batches) < self.depth and self.scheduler.has_unfinished_requests():
             batch = self.scheduler.schedule()
             # an empty step goes out only with ids the workers must forget, or to count as idle
-            if batch.total_num_scheduled_tokens or batch.finished_req_ids or not self._batches:
-                self.executor.submit(batch)
-                self._batches.append(batch)
-                self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._batches))
-                if batch.total_num_scheduled_tokens and len(self._batches) < self.depth:
-                    return []
-        if not self._batches:
+            if not (batch.total_num_scheduled_tokens or batch.finished_req_ids or not self._batches):
+                break
+            self.executor.submit(batch)
+            self._batches.append(batch)
+            self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._batches))
+            if not batch.total_num_scheduled_tokens:
+                break
+            if block and len(self._batches) < self.depth:
+                return []  # a blocking caller fills the pipeline one call at a time
+        if not self._batches or not self._done(block):
             return []
         return self._finish(self._batches.popleft())
 

@@ -1,8 +1,10 @@
 """Executors fan one scheduler step out to the workers and gather what they return.
 
-Runs in the scheduler process. Both executors have the same calls: `submit(step)` starts a step and
-`wait()` returns the oldest submitted step's `RunnerOutput`, so the core can schedule step N+1 while
-step N runs. `InprocExecutor` holds one worker in this process (the offline engine, tests).
+Runs in the scheduler process. Every executor has the same calls: `submit(step)` starts a step,
+`poll(timeout_ms, wake)` says whether the oldest submitted step is done (waiting at most `timeout_ms`,
+and no longer once the `wake` socket, the core's clients', has input) and `wait()` returns that
+step's `RunnerOutput`, so the core can schedule step N+1 while step N runs and answer its clients
+meanwhile from its own loop. `InprocExecutor` holds one worker in this process (the offline engine, tests).
 `MultiprocExecutor` spawns one worker process per rank (pipeline stage x tensor-parallel rank), talks
 to them over a ZeroMQ ROUTER socket in the launch's private runtime directory, keeps up to one step
 per pipeline stage in flight, and notices a dead worker within a poll interval. With `--nnodes N` it
@@ -13,11 +15,11 @@ starts only the head's ranks; the other nodes' ranks (`ember worker --headless`)
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -52,6 +54,8 @@ class Executor(Protocol):
 
     def submit(self, scheduler_output: SchedulerOutput) -> None: ...
 
+    def poll(self, timeout_ms: int, wake: zmq.Socket | None = None) -> bool: ...
+
     def wait(self) -> RunnerOutput: ...
 
     def check_alive(self) -> None: ...
@@ -73,6 +77,9 @@ class InprocExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         assert self.worker is not None, "submit() after shutdown()"
         self._result = self.worker.execute_model(scheduler_output)
+
+    def poll(self, timeout_ms: int, wake: zmq.Socket | None = None) -> bool:
+        return True  # `submit` ran the step
 
     def wait(self) -> RunnerOutput:
         result, self._result = self._result, None
@@ -109,8 +116,6 @@ class MultiprocExecutor:
         self.link: NodeLink | None = None  # the other nodes' ranks, with --nnodes > 1
         self._sock_of: dict[bytes, zmq.Socket] = {}  # identity -> the socket that reaches it
         self._local: dict[bytes, int] = {}  # identity -> rank, of the workers of this host
-        self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
-        self._tick: Callable[[], object] | None = None
         self.identities = [f"w{rank}".encode() for rank in range(self.size)]
         self.procs: list = []  # subprocess.Popen or zygote_link.ForkedProcess
         self._step = 0
@@ -151,23 +156,18 @@ class MultiprocExecutor:
                 ready[msg.rank] = msg
         return [ready[r] for r in range(self.size)]
 
-    def serve_while_waiting(
-        self, sock: zmq.Socket, handler: Callable[[], None], tick: Callable[[], object] | None = None
-    ) -> None:
-        """While a step runs, call `handler` whenever `sock` has input (the core's client socket),
-        so clients are answered (stats, aborts, new requests) even during a long step, and `tick`
-        (the stall watchdog) at every poll interval."""
-        self._poller.register(sock, zmq.POLLIN)
-        self._side = (sock, handler)
-        self._tick = tick
-
-    def _recv(self, timeout_ms: int) -> object | None:
-        """One message from any worker, or None; raises WorkerError on failure or death."""
-        events = dict(self._poller.poll(timeout_ms))
+    def _recv(self, timeout_ms: int, wake: zmq.Socket | None = None) -> object | None:
+        """One message from any worker, or None (also when `wake` has input); raises WorkerError on a
+        worker's failure or death."""
+        if wake is not None:
+            self._poller.register(wake, zmq.POLLIN)
+        try:
+            events = dict(self._poller.poll(timeout_ms))
+        finally:
+            if wake is not None:
+                self._poller.unregister(wake)
         if self.link is not None and self.link.monitor in events:
             self.link.check()
-        if self._side is not None and self._side[0] in events:
-            self._side[1]()
         msg: object = None
         if self.sock in events:
             msg = self._receive_local()
@@ -214,22 +214,37 @@ class MultiprocExecutor:
         self._pending.append(self._step)
         self._done[self._step] = set()
 
+    def poll(self, timeout_ms: int, wake: zmq.Socket | None = None) -> bool:
+        """Take in the workers' answers for up to `timeout_ms`: True once every rank has answered the
+        oldest step, False on timeout or as soon as `wake` has input (which is left unread)."""
+        assert self._pending, "poll() without submit()"
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not self._oldest_done():
+            if wake is not None and wake.poll(0):
+                return False
+            msg = self._recv(max(0, math.ceil((deadline - time.monotonic()) * 1000)), wake)
+            if msg is None and time.monotonic() >= deadline:
+                return False
+            self._take(msg)
+        return True
+
     def wait(self) -> RunnerOutput:
         """The oldest step's output, once every rank has answered it (later steps' answers that come
         first are kept for their turn)."""
-        assert self._pending, "wait() without submit()"
-        step = self._pending[0]
-        while len(self._done[step]) < self.size:
-            msg = self._recv(POLL_MS)
-            if msg is None and self._tick is not None:
-                self._tick()
-            if isinstance(msg, StepResult) and msg.step_id in self._done:
-                self._done[msg.step_id].add(msg.rank)
-                if msg.rank == self.output_rank:
-                    self._outputs[msg.step_id] = msg.output
-        self._pending.popleft()
+        while not self.poll(POLL_MS):
+            pass
+        step = self._pending.popleft()
         del self._done[step]
         return self._outputs.pop(step, RunnerOutput())
+
+    def _oldest_done(self) -> bool:
+        return len(self._done[self._pending[0]]) == self.size
+
+    def _take(self, msg: object | None) -> None:
+        if isinstance(msg, StepResult) and msg.step_id in self._done:
+            self._done[msg.step_id].add(msg.rank)
+            if msg.rank == self.output_rank:
+                self._outputs[msg.step_id] = msg.output
 
     def shutdown(self) -> None:
         """Ask workers to exit, then make sure they did (no orphans)."""

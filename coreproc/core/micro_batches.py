@@ -1,7 +1,7 @@
 """Pipeline micro-batches: which requests are in a step still in flight, and how many one step takes.
 
 Runs in the scheduler process, inside `Scheduler`. With P pipeline stages the engine keeps up to P steps
-(micro-batches) in flight (`EngineCore.step_pipelined`). The scheduler neither schedules nor preempts a
+(micro-batches) in flight (the engine's pipelined steps). The scheduler neither schedules nor preempts a
 request whose step is still in flight, so micro-batches are disjoint and need no placeholder tokens, and
 one step takes at most 1/P of the active requests, so that P micro-batches can fill the stages. The stages
 before the last sample nothing: the tokens a request got since it last ran travel to them in its

@@ -7,7 +7,8 @@ rank is a `workers.ray_worker.RayWorker` actor in one bundle of a placement grou
 (`--placement-strategy PACK|SPREAD`); the ranks form their process group at the rank-0 actor's node
 IP and a port free there. Actors get and answer protocol frames (`StepRequest` -> `StepResult`,
 `WorkerReady`, `WorkerFailed`); an actor or node that dies becomes a `WorkerError` naming the rank
-and node. While a step runs, the core's client socket is served between short polls of the futures.
+and node. `poll` waits on the oldest step's futures in short slices, returning early when the
+core's client socket has input.
 Ray is imported only when this backend is built.
 """
 
@@ -17,7 +18,6 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -39,8 +39,7 @@ from coreproc.base.protocol import (
 
 log = logging.getLogger("ember.executor")
 
-POLL_S = 0.01  # how long one wait on the actors' futures blocks before the client socket is served
-TICK_S = 0.1  # the stall watchdog's interval while a step runs
+POLL_S = 0.01  # how long one wait on the actors' futures blocks before the client socket is looked at
 PLACEMENT_TIMEOUT_S = 120.0
 
 
@@ -68,8 +67,6 @@ class RayExecutor:
         self._owns_ray = not ray.is_initialized()
         self._pending: deque[tuple[int, list[Any]]] = deque()  # steps in flight, oldest first
         self._pings: dict[int, Any] = {}  # rank -> outstanding liveness probe
-        self._side: tuple[zmq.Socket, Callable[[], None]] | None = None
-        self._tick: Callable[[], object] | None = None
         self._step = 0
         try:
             if self._owns_ray:  # RAY_ADDRESS, else this host's running cluster, else a new local one
@@ -131,14 +128,6 @@ class RayExecutor:
         assert all(isinstance(m, WorkerReady) for m in ready), "a worker answered start() out of turn"
         return ready
 
-    def serve_while_waiting(
-        self, sock: zmq.Socket, handler: Callable[[], None], tick: Callable[[], object] | None = None
-    ) -> None:
-        """While a step runs, call `handler` whenever `sock` (the core's client socket) has input, and
-        `tick` (the stall watchdog) every TICK_S, between polls of the actors' futures."""
-        self._side = (sock, handler)
-        self._tick = tick
-
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step on every rank; an actor runs its calls in order, so a pipeline stage takes its
         next step as soon as it has handed the previous one on."""
@@ -146,6 +135,20 @@ class RayExecutor:
         self._step += 1
         frames = self.codec.encode(StepRequest(self._step, scheduler_output))
         self._pending.append((self._step, [a.execute.remote(frames) for a in self.actors]))
+
+    def poll(self, timeout_ms: int, wake: zmq.Socket | None = None) -> bool:
+        """True once every rank has answered the oldest step (an answer may be a failure, which
+        `wait` raises); False after `timeout_ms`, or as soon as `wake` has input."""
+        assert self._pending, "poll() without submit()"
+        refs = self._pending[0][1]
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            done, _ = self.ray.wait(refs, num_returns=len(refs), timeout=min(POLL_S, left))
+            if len(done) == len(refs):
+                return True
+            if (wake is not None and wake.poll(0)) or time.monotonic() >= deadline:
+                return False
 
     def wait(self) -> RunnerOutput:
         """The oldest step's output, once every rank has answered it."""
@@ -170,19 +173,12 @@ class RayExecutor:
         """Each rank's decoded answer, in rank order; the first failure raises."""
         pending = dict(zip(refs, range(len(refs))))
         answers: dict[int, Any] = {}
-        last_tick = time.monotonic()
         while pending:
             done, _ = self.ray.wait(list(pending), num_returns=len(pending), timeout=POLL_S)
             for ref in done:
                 rank = pending.pop(ref)
                 answers[rank] = self._decode(rank, self._get(rank, ref))
-            if self._side is not None and self._side[0].poll(0):
-                self._side[1]()
-            now = time.monotonic()
-            if self._tick is not None and now - last_tick >= TICK_S:
-                last_tick = now
-                self._tick()
-            if deadline is not None and now > deadline and pending:
+            if deadline is not None and time.monotonic() > deadline and pending:
                 raise WorkerError(f"workers not ready in time ({len(answers)}/{len(refs)} ready)")
         return [answers[r] for r in range(len(refs))]
 

@@ -5,8 +5,9 @@ Clients (the SDK, the HTTP frontend) connect DEALER sockets to this process's RO
 (the first output of an admitted request is an empty acknowledgement, or for a constrained request
 its first token; the requests of a refused submission, or a constraint the workers cannot compile,
 each get one finished output with an `error_code`), `UtilityResult`s (an unknown utility
-method gets an error, never silence), and `EngineDead` if the engine fails. Each loop turn: drain
-client messages (block only when idle), run one overlapped engine step, route outputs. A dead worker
+method gets an error, never silence), and `EngineDead` if the engine fails. One loop does it all,
+each turn: wait (while a step is in flight, on the workers and the clients together; when idle, on
+the clients), drain client messages, advance the engine without blocking, route outputs. A dead worker
 fails every request at once and ends the process non-zero; SIGTERM/SIGINT stop admission, let running
 requests finish within a grace period, abort the rest, and exit 0.
 """
@@ -64,6 +65,7 @@ from coreproc.core.ray_executor import RayExecutor
 log = logging.getLogger("ember.core")
 
 IDLE_POLL_MS = 200
+STEP_POLL_MS = 100  # the longest wait on a step in flight between two looks at the watchdog
 REAP_INTERVAL_S = 0.5
 
 
@@ -89,8 +91,6 @@ class CoreServer:
         self.shutdown_timeout = shutdown_timeout
         self.eos_ids = list(config.model.eos_token_ids)
         self._bind_and_start(config, listen, runtime_dir, curve_keys)
-        overlapped = config.scheduler.async_scheduling and config.speculative is None
-        self._step = self.engine.step_overlapped if overlapped else self.engine.step
         self.owner: dict[str, bytes] = {}  # request id -> client identity
         self._admitted: list[EngineOutput] = []  # acknowledgements to send after this drain
         self.last_seen: dict[bytes, float] = {}  # client identity -> last message time
@@ -122,8 +122,8 @@ class CoreServer:
         self.codec = Codec(TO_CORE)
         executor = make_executor(config, runtime_dir)  # worker processes, or Ray actors
         assert isinstance(executor, (MultiprocExecutor, RayExecutor)), "the core's workers run elsewhere"
-        executor.serve_while_waiting(self.sock, lambda: self._drain(0), self._watchdog)
-        self.engine = EngineCore(config, executor)
+        overlapped = config.scheduler.async_scheduling  # (off whenever the engine speculates)
+        self.engine = EngineCore(config, executor, overlapped=overlapped)
 
     def info(self) -> EngineInfo:
         cfg = self.config
@@ -321,6 +321,8 @@ class CoreServer:
         try:
             while True:
                 busy = self.engine.has_unfinished_requests()
+                if self.engine.in_flight():  # wake for the step's end or for a client, whichever is first
+                    self.engine.executor.poll(STEP_POLL_MS, wake=self.sock)
                 self._drain(0 if busy else IDLE_POLL_MS)
                 self._reap_silent_clients()
                 if self.parent_pid is not None and exited(self.parent_fd):
@@ -336,7 +338,7 @@ class CoreServer:
                         self._route(self.engine.abort_requests(list(self.owner)))
                 if self.engine.has_unfinished_requests():
                     self._watchdog()
-                    self._route(self._step())
+                    self._route(self.engine.advance())
                 else:
                     self.engine.executor.check_alive()
         except WorkerError as e:
