@@ -13,8 +13,7 @@ import torch
 from coreproc.base.config import ModelConfig
 from kernels import AttentionMetadata, select_backend
 from workers.kv_scales import calibrate_kv_scales
-from workers.loader import build_model
-from workers.parallel import TPGroup
+from workers.loader import ModelSpec, build_model
 
 
 def load(
@@ -28,19 +27,10 @@ def load(
     cfg = ModelConfig.from_dir(path, dtype="float32")
     cpu = torch.device("cpu")
     backend = select_backend(cpu)
-    args = (
-        path,
-        cfg.architecture,
-        dtype,
-        cpu,
-        TPGroup(),
-        backend,
-        max_positions,
-        quantization,
-        False,
-        kernel,
+    spec = ModelSpec(
+        path, cfg.architecture, dtype, cpu, backend, max_positions, quantization=quantization, kernel=kernel
     )
-    model, _, _ = build_model(*args)
+    model, _, _ = build_model(spec, show_progress=False)
     return model
 
 

@@ -11,6 +11,7 @@ the tensor and the file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -245,48 +246,40 @@ def read_hf_config(model_dir: str) -> Any:
     return AutoConfig.from_pretrained(model_dir, local_files_only=True)
 
 
-def construct(
-    model_dir: str,
-    architecture: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    tp: TPGroup,
-    backend: AttentionBackend,
-    max_positions: int,
-    quantization: str | None = None,
-    kernel: str = "torch",
-    pp: PPGroup | None = None,
-) -> LlamaForCausalLM:
-    """The architecture's module tree on `device` (the meta device builds it without memory); with
-    `pp`, only that pipeline stage's part."""
-    hf_config = read_hf_config(model_dir)
-    cls = resolve(architecture)
-    method = make_method(quantization, kernel, gguf=is_gguf(model_dir))
-    with torch.device(device), default_dtype(dtype):
-        return cls(hf_config, tp, backend, max_positions, quant=method, pp=pp)
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What a model is built from: its checkpoint and architecture, and how it lies on this worker."""
+
+    model_dir: str
+    architecture: str
+    dtype: torch.dtype
+    device: torch.device
+    backend: AttentionBackend
+    max_positions: int
+    tp: TPGroup = dataclasses.field(default_factory=TPGroup)
+    pp: PPGroup | None = None  # one pipeline stage's layers only
+    quantization: str | None = None
+    kernel: str = "torch"  # the linear layers' kernel ("cpu_bf16": the native CPU fast path)
 
 
-def build_model(
-    model_dir: str,
-    architecture: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    tp: TPGroup,
-    backend: AttentionBackend,
-    max_positions: int,
-    quantization: str | None = None,
-    show_progress: bool = True,
-    kernel: str = "torch",
-    pp: PPGroup | None = None,
-) -> tuple[LlamaForCausalLM, float, float]:
-    """Instantiate the architecture (or one pipeline stage of it) on `device` in `dtype`, load its
+def construct(spec: ModelSpec) -> LlamaForCausalLM:
+    """The architecture's module tree on `spec.device` (the meta device builds it without memory);
+    with `spec.pp`, only that pipeline stage's part."""
+    hf_config = read_hf_config(spec.model_dir)
+    cls = resolve(spec.architecture)
+    method = make_method(spec.quantization, spec.kernel, gguf=is_gguf(spec.model_dir))
+    with torch.device(spec.device), default_dtype(spec.dtype):
+        return cls(hf_config, spec.tp, spec.backend, spec.max_positions, quant=method, pp=spec.pp)
+
+
+def build_model(spec: ModelSpec, show_progress: bool = True) -> tuple[LlamaForCausalLM, float, float]:
+    """Instantiate the architecture (or one pipeline stage of it) on its device in its dtype, load its
     weights and quantize them.
 
     Returns (model, seconds loading, seconds in the quantization pass)."""
     start = time.perf_counter()
-    args = (model_dir, architecture, dtype, device, tp, backend, max_positions, quantization, kernel, pp)
-    model = construct(*args)
-    load_weights(model, checkpoint_files(Path(model_dir)), show_progress)
+    model = construct(spec)
+    load_weights(model, checkpoint_files(Path(spec.model_dir)), show_progress)
     model.eval()
     load_seconds = time.perf_counter() - start
     return model, load_seconds, quantize(model)

@@ -11,6 +11,7 @@ decode layers of workers/models/fused_decode.py). Returns a `RunnerOutput`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,23 @@ class StepBatch:
     meta: AttentionMetadata
 
 
+@dataclasses.dataclass(frozen=True)
+class RunnerParts:
+    """What a worker gives its runner besides the model and its KV cache, each part by name."""
+
+    seed: int = 0
+    processors: list[LogitsProcessor] | None = None  # the engine's logits processors
+    draft: DraftProposer | None = None  # a draft model's proposer (speculative decoding)
+    # what runs the step: the model itself (None), or its one-call decode layers (select_forward)
+    forward: Forward | None = None
+    structured: StructuredOutputs | None = None  # xgrammar matchers of constrained requests
+    encoder_cache: EncoderCache | None = None  # a vision-language model's encoder outputs by image hash
+    lora: LoRAManager | None = None  # LoRA adapter slots (--enable-lora)
+    # False on pipeline stages before the last: they run their layers and hand the hidden states on
+    # (in `forward`); the scheduler tells them the tokens the last stage sampled
+    samples: bool = True
+
+
 class ModelRunner:
     """Owns the model, the KV cache tensors and the sampler of one worker."""
 
@@ -101,29 +119,20 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
-        seed: int = 0,
-        processors: list[LogitsProcessor] | None = None,
-        draft: DraftProposer | None = None,
-        forward: Forward | None = None,
-        structured: StructuredOutputs | None = None,
-        encoder_cache: EncoderCache | None = None,
-        lora: LoRAManager | None = None,
-        samples: bool = True,
+        parts: RunnerParts | None = None,
     ) -> None:
+        parts = RunnerParts() if parts is None else parts
         self.model = model
-        # False on pipeline stages before the last: they run their layers and hand the hidden states on
-        # (in `forward`); the scheduler tells them the tokens the last stage sampled
-        self.samples = samples
-        self.encoder_cache = encoder_cache  # a vision-language model's: encoder outputs by image hash
-        self.lora = lora  # LoRA adapter slots (--enable-lora)
-        # what runs the step: `model` itself, or its one-call decode layers (fused_decode.select_forward)
-        self.forward: Forward = model if forward is None else forward
-        self.draft = draft
+        self.samples = parts.samples
+        self.encoder_cache = parts.encoder_cache
+        self.lora = parts.lora
+        self.forward: Forward = model if parts.forward is None else parts.forward
+        self.draft = parts.draft
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.structured = structured
-        self.sampler = Sampler(device, seed, processors, structured)
+        self.structured = parts.structured
+        self.sampler = Sampler(device, parts.seed, parts.processors, parts.structured)
         self.requests: dict[str, RequestState] = {}
 
     def update_states(self, out: SchedulerOutput) -> None:

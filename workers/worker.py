@@ -28,9 +28,9 @@ from kernels.cpu_gemm import bf16_layout, claim_tiles, select_linear_kernel
 from kernels.native import use_native
 from workers.draft import DraftProposer
 from workers.kv_scales import calibrate_kv_scales, kv_cache_dtype
-from workers.loader import build_model, release_load_memory
+from workers.loader import ModelSpec, build_model, release_load_memory
 from workers.mm_inputs import EncoderCache
-from workers.model_runner import ModelRunner
+from workers.model_runner import ModelRunner, RunnerParts
 from workers.models.fused_decode import Forward, select_forward
 from workers.models.layers import kv_bytes_per_token
 from workers.models.llama import LlamaForCausalLM
@@ -188,20 +188,17 @@ class Worker:
             if hasattr(weights.model, "embed_images")
             else None
         )
-        self.runner = ModelRunner(
-            weights.model,
-            kv_caches,
-            block_size,
-            self.device,
-            seed,
-            processors,
-            proposer,
-            forward,
-            structured,
-            images,
-            lora,
+        parts = RunnerParts(
+            seed=seed,
+            processors=processors,
+            draft=proposer,
+            forward=forward,
+            structured=structured,
+            encoder_cache=images,
+            lora=lora,
             samples=self.pp.is_last,
         )
+        self.runner = ModelRunner(weights.model, kv_caches, block_size, self.device, parts)
         return WorkerReady(
             rank=self.rank,
             num_kv_blocks=num_blocks,
@@ -227,19 +224,19 @@ class Worker:
             raise RuntimeError(f"the weights are not the preload cache's ({fallback or 'not asked for'})")
         source = "ipc_cache" if model is not None else "disk"
         if model is None:
-            model, seconds, quant_seconds = build_model(
+            spec = ModelSpec(
                 cfg.model.model,
                 cfg.model.architecture,
                 self.dtype,
                 self.device,
-                self.tp,
                 self.backend,
                 cfg.model.max_model_len,
-                cfg.model.quantization,
-                show_progress,
-                self.linear_kernel,
-                self.pp,
+                tp=self.tp,
+                pp=self.pp,
+                quantization=cfg.model.quantization,
+                kernel=self.linear_kernel,
             )
+            model, seconds, quant_seconds = build_model(spec, show_progress)
         if cfg.load.weights_file and self.device.type == "cpu":
             from workers.weight_cache.arena import map_to_file
 
@@ -267,18 +264,11 @@ class Worker:
             return None
         d = spec.draft
         with trace.phase("load the draft model"):
-            draft, seconds, _ = build_model(
-                d.model,
-                d.architecture,
-                self.dtype,
-                self.device,
-                TPGroup(),
-                self.backend,
-                d.max_model_len,
-                None,
-                show_progress,
-                self.linear_kernel,
-            )
+            draft_spec = ModelSpec(
+                d.model, d.architecture, self.dtype, self.device, self.backend, d.max_model_len,
+                kernel=self.linear_kernel,
+            )  # fmt: skip
+            draft, seconds, _ = build_model(draft_spec, show_progress)
         log.info("rank %d: draft model %s loaded in %.2fs", self.rank, d.model, seconds)
         return draft
 

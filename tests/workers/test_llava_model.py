@@ -20,11 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from frontend.make_model import main
 from kernels import AttentionMetadata, select_backend
-from workers.loader import build_model
+from workers.loader import ModelSpec, build_model
 from workers.models.llama import LlamaForCausalLM
 from workers.models.llava import LlavaForConditionalGeneration
 from workers.models.qwen2 import Qwen2ForCausalLM
-from workers.parallel import TPGroup
 
 pytestmark = pytest.mark.model
 
@@ -33,16 +32,10 @@ BLOCK = 16
 
 
 def load(folder: Path) -> Any:
-    model, _, _ = build_model(
-        str(folder),
-        "LlavaForConditionalGeneration",
-        torch.float32,
-        CPU,
-        TPGroup(),
-        select_backend(CPU, "torch"),
-        256,
-        show_progress=False,
+    spec = ModelSpec(
+        str(folder), "LlavaForConditionalGeneration", torch.float32, CPU, select_backend(CPU), 256
     )
+    model, _, _ = build_model(spec, show_progress=False)
     return model
 
 

@@ -179,20 +179,15 @@ def around(
 ) -> nn.Module:
     """The model built on the meta device with the cache's tensors installed, its derived tables made
     real (`materialize`), CacheUnavailable if a tensor is missing."""
-    from workers.loader import construct
+    from workers.loader import ModelSpec, construct
 
     cfg = config.model
-    model = construct(
-        cfg.model,
-        cfg.architecture,
-        getattr(torch, cfg.dtype),
-        torch.device("meta"),
-        tp,
-        backend,
-        cfg.max_model_len,
-        cfg.quantization,
-        kernel,
-    )
+    meta = torch.device("meta")
+    spec = ModelSpec(
+        cfg.model, cfg.architecture, getattr(torch, cfg.dtype), meta, backend, cfg.max_model_len,
+        tp=tp, quantization=cfg.quantization, kernel=kernel,
+    )  # fmt: skip
+    model = construct(spec)
     install(model, tensors, reply.tensors, reply.aliases)
     for name, attrs in reply.module_attrs.items():
         layer = model.get_submodule(name)

@@ -46,7 +46,7 @@ class Daemon:
 
     def __init__(self, config: EngineConfig, role: str, tp_rank: int, socket_file: Path) -> None:
         from kernels import select_backend
-        from workers.loader import build_model
+        from workers.loader import ModelSpec, build_model
         from workers.parallel import TPGroup
         from workers.quant import make_method
 
@@ -68,18 +68,18 @@ class Daemon:
         self.fingerprint = fingerprint(config, tp_rank, device_identity(self.device.type, index), role)
         tp = TPGroup(rank=tp_rank, size=config.parallel.tensor_parallel_size)
         start = time.perf_counter()
-        model, _, _ = build_model(
+        spec = ModelSpec(
             config.model.model,
             config.model.architecture,
             getattr(torch, config.model.dtype),
             self.device,
-            tp,
             select_backend(self.device),
             config.model.max_model_len,
-            config.model.quantization,
-            show_progress=False,
+            tp=tp,
+            quantization=config.model.quantization,
             kernel=kernel,
         )
+        model, _, _ = build_model(spec, show_progress=False)
         entries, self.aliases = named_tensors(model)
         self.attrs = module_attrs(model)
         self.entries = entries
