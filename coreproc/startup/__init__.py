@@ -15,13 +15,14 @@ The process tree of `ember serve` (every name is the process title):
            └─ ember-prepared  the next restart's worker, prepared (prepared.py; workers/prepared.py)
 
 `ember core` runs the core in the user's process; the offline `LLM` and `ember batch` run the engine
-core in-process (workers in-process or spawned as above). `boot` is the first module of every fresh
-core or worker interpreter: it turns the garbage collector off before the heavy imports, and the role's
-`main` calls `boot.settle()` once its engine or model is up. Until then `orphan.LauncherWatch` ends a
-core or worker whose launcher is gone (after that, their serving loops watch it). Modules here import
-no frontend code;
-`boot` imports only the shared base (it names the role modules as strings) so every layer may use
-it; `standby` starts a cold start's core and first worker before their command lines are known;
-`zygote_link` is the light way to the zygote (the `ember` launcher's), `forked` what a forked child
-does first.
+core in-process (workers in-process or spawned as above). Here: `launcher` (start a core and wait
+for its READY), `spawn` (a fresh interpreter or a fork of the zygote), `zygote` and `zygote_link`
+(the light way to it, the `ember` launcher's), `forked` (what a forked child does first), `prepared`
+(the next restart's worker) and `headless` (`ember worker --headless`). What every process runs as
+it starts lives in the shared base, so that the workers may use it: `coreproc.base.boot` is the
+first module of every fresh core or worker interpreter (garbage collector off before the heavy
+imports; the role's `main` calls `boot.settle()` once up), `coreproc.base.orphan.LauncherWatch` ends
+a core or worker whose launcher is gone until their serving loops watch it, `coreproc.base.standby`
+starts a cold start's core and first worker before their command lines are known, and
+`coreproc.base.trace` records the start-up phases. Modules here import no frontend code.
 """
