@@ -211,120 +211,140 @@ def model_help() -> str:
     return MODEL_HELP
 
 
+def _generate_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt")
+    add_engine_arguments(p)
+    add_sampling_args(p)
+
+
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    from frontend import serve
+
+    serve.add_arguments(p)
+    add_engine_arguments(p)
+
+
+def _core_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help=model_help())
+    p.add_argument(
+        "--listen",
+        default=None,
+        help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path); with -dp D, D addresses "
+        "comma-separated, or one tcp://HOST:PORT (rank r on PORT + r)",
+    )
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period on SIGTERM (s)")
+    silent = "abort requests of clients silent this long (s)"
+    p.add_argument("--client-timeout", type=float, default=10.0, help=silent)
+    add_engine_arguments(p)
+
+
+def _worker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help=model_help())
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        required=True,
+        help="no core or API here: the ranks of --node-rank connect to the head at --master-addr",
+    )
+    add_engine_arguments(p)
+
+
+def _preload_flags(p: argparse.ArgumentParser) -> None:
+    from workers.weight_cache import preload
+
+    preload.add_arguments(p)
+    add_engine_arguments(p)
+
+
+def _keygen_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory")
+
+
+def _batch_flags(p: argparse.ArgumentParser) -> None:
+    from coreproc.client import batch
+
+    batch.add_arguments(p)
+    add_engine_arguments(p)
+
+
+def _bench_flags(p: argparse.ArgumentParser) -> None:
+    from frontend.bench import latency, restart, serve, throughput
+
+    bench = p.add_subparsers(dest="bench_command", required=True)
+    runs = (
+        (
+            "throughput",
+            "offline throughput, in-process vs multiprocess engine",
+            throughput,
+            cmd_bench_throughput,
+        ),
+        (
+            "restart",
+            "time to ready: cold start from disk vs warm from ember preload",
+            restart,
+            cmd_bench_restart,
+        ),
+        ("latency", "batch-1 decode latency and achieved memory bandwidth", latency, cmd_bench_latency),
+        ("serve", "load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E)", serve, cmd_bench_serve),
+    )
+    for name, help_text, module, func in runs:
+        one = bench.add_parser(name, help=help_text)
+        module.add_arguments(one)
+        if name != "serve":  # `bench serve` loads any server: no engine of its own
+            add_engine_arguments(one)
+        one.set_defaults(func=func)
+
+
+def _snapshot_flags(p: argparse.ArgumentParser) -> None:
+    from frontend.snapshot import commands as snapshot
+
+    snapshot.add_arguments(p)
+
+
+def _make_model_flags(p: argparse.ArgumentParser) -> None:
+    from frontend import make_model
+
+    make_model.add_arguments(p)
+
+
+Flags = Callable[[argparse.ArgumentParser], None]
+# name, help, its flags (imported and added only for the command being run), what runs it
+SUBCOMMANDS: tuple[tuple[str, str, Flags, Callable[[argparse.Namespace], int] | None], ...] = (
+    ("generate", "stream a completion of one prompt to the terminal", _generate_flags, cmd_generate),
+    ("serve", "serve the OpenAI-compatible HTTP API", _serve_flags, cmd_serve),
+    ("core", "run the engine core (scheduler + workers) for ZMQ clients", _core_flags, cmd_core),
+    ("worker", "run this node's workers of an engine whose core runs on node 0", _worker_flags, cmd_worker),
+    ("preload", "keep processed weights in memory for fast engine restarts", _preload_flags, cmd_preload),
+    (
+        "keygen",
+        "make CurveZMQ key pairs for `ember core --curve-keys` and clients",
+        _keygen_flags,
+        cmd_keygen,
+    ),
+    ("batch", "run an OpenAI batch file (JSONL in, JSONL out) through the engine", _batch_flags, cmd_batch),
+    ("bench", "benchmarks", _bench_flags, None),
+    ("snapshot", "CRIU snapshots of a ready server: create, restore, inspect", _snapshot_flags, cmd_snapshot),
+    (
+        "make-model",
+        "write a small Hugging Face checkpoint with random weights",
+        _make_model_flags,
+        cmd_make_model,
+    ),
+)
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole CLI; with `only`, the other subcommands are listed but their modules not imported
     and their flags not added (start-up time counts: `ember snapshot restore`, a forked `ember serve`)."""
-
-    def want(name: str) -> bool:
-        return only is None or only == name
-
     parser = Parser(prog="ember", description="Ember: LLM inference and serving")
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
-    if want("generate"):
-        gen.add_argument("prompt")
-        add_engine_arguments(gen)
-        add_sampling_args(gen)
-    gen.set_defaults(func=cmd_generate)
-
-    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    if want("serve"):
-        from frontend import serve
-
-        serve.add_arguments(srv)
-        add_engine_arguments(srv)
-    srv.set_defaults(func=cmd_serve)
-
-    core = sub.add_parser("core", help="run the engine core (scheduler + workers) for ZMQ clients")
-    if want("core"):
-        core.add_argument("model", nargs="?", default=None, help=model_help())
-        core.add_argument(
-            "--listen",
-            default=None,
-            help="ipc://PATH or tcp://HOST:PORT (default: a private ipc path); with -dp D, D addresses "
-            "comma-separated, or one tcp://HOST:PORT (rank r on PORT + r)",
-        )
-        core.add_argument("--shutdown-timeout", type=float, default=30.0, help="grace period on SIGTERM (s)")
-        silent = "abort requests of clients silent this long (s)"
-        core.add_argument("--client-timeout", type=float, default=10.0, help=silent)
-        add_engine_arguments(core)
-    core.set_defaults(func=cmd_core)
-
-    wk = sub.add_parser("worker", help="run this node's workers of an engine whose core runs on node 0")
-    if want("worker"):
-        wk.add_argument("model", nargs="?", default=None, help=model_help())
-        wk.add_argument(
-            "--headless",
-            action="store_true",
-            required=True,
-            help="no core or API here: the ranks of --node-rank connect to the head at --master-addr",
-        )
-        add_engine_arguments(wk)
-    wk.set_defaults(func=cmd_worker)
-
-    pre = sub.add_parser("preload", help="keep processed weights in memory for fast engine restarts")
-    if want("preload"):
-        from workers.weight_cache import preload
-
-        preload.add_arguments(pre)
-        add_engine_arguments(pre)
-    pre.set_defaults(func=cmd_preload)
-
-    kg = sub.add_parser("keygen", help="make CurveZMQ key pairs for `ember core --curve-keys` and clients")
-    kg.add_argument("directory")
-    kg.set_defaults(func=cmd_keygen)
-
-    bt = sub.add_parser("batch", help="run an OpenAI batch file (JSONL in, JSONL out) through the engine")
-    if want("batch"):
-        from coreproc.client import batch
-
-        batch.add_arguments(bt)
-        add_engine_arguments(bt)
-    bt.set_defaults(func=cmd_batch)
-
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    if want("bench"):
-        tput = bench.add_parser("throughput", help="offline throughput, in-process vs multiprocess engine")
-        from frontend.bench import throughput as bench_throughput
-
-        bench_throughput.add_arguments(tput)
-        add_engine_arguments(tput)
-        tput.set_defaults(func=cmd_bench_throughput)
-        restart = bench.add_parser(
-            "restart", help="time to ready: cold start from disk vs warm from ember preload"
-        )
-        from frontend.bench import restart as bench_restart
-
-        bench_restart.add_arguments(restart)
-        add_engine_arguments(restart)
-        restart.set_defaults(func=cmd_bench_restart)
-        lat = bench.add_parser("latency", help="batch-1 decode latency and achieved memory bandwidth")
-        from frontend.bench import latency as bench_latency
-
-        bench_latency.add_arguments(lat)
-        add_engine_arguments(lat)
-        lat.set_defaults(func=cmd_bench_latency)
-        load = bench.add_parser("serve", help="load-test any OpenAI-compatible server (TTFT, TPOT, ITL, E2E)")
-        from frontend.bench import serve as bench_serve
-
-        bench_serve.add_arguments(load)
-        load.set_defaults(func=cmd_bench_serve)
-
-    snap = sub.add_parser("snapshot", help="CRIU snapshots of a ready server: create, restore, inspect")
-    if want("snapshot"):
-        from frontend.snapshot import commands as snapshot
-
-        snapshot.add_arguments(snap)
-    snap.set_defaults(func=cmd_snapshot)
-
-    mk = sub.add_parser("make-model", help="write a small Hugging Face checkpoint with random weights")
-    if want("make-model"):
-        from frontend import make_model
-
-        make_model.add_arguments(mk)
-    mk.set_defaults(func=cmd_make_model)
+    for name, help_text, flags, func in SUBCOMMANDS:
+        command = sub.add_parser(name, help=help_text)
+        if only is None or only == name:
+            flags(command)
+        if func is not None:
+            command.set_defaults(func=func)
     return parser
 
 
