@@ -1,4 +1,7 @@
-"""Ember's scheduler side: the engine core, its configuration, wire protocol and the offline `LLM` API."""
+"""Ember's engine below the HTTP server, in role folders: `base/` (the shared base every layer may
+import), `core/` (the core process), `startup/` (who starts whom), `client/` (the SDK, the offline
+`LLM`, batch mode) and `text/` (text in and out). This module is the public face: `LLM`,
+`SamplingParams`, `RequestOutput`, `CompletionOutput` and `InvalidParam`, imported when asked for."""
 
 from __future__ import annotations
 
