@@ -22,6 +22,10 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
 }
 _PRESET_FIELDS = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "max_pos", "shard")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -35,9 +39,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     }.items()
 }
 DTYPES = ("float32", "bfloat16", "float16")  # torch is imported only when a model is built
-TIED_BY_DEFAULT = frozenset({"qwen2", "qwen3"})  # small real Qwen models tie their embeddings
+TIED_BY_DEFAULT = frozenset({"qwen2", "qwen3", "gemma3", "smollm3", "granite"})  # as their small releases
 # Realistic, non-10000 thetas so an engine that hard-codes the RoPE base is caught by comparisons.
-ROPE_THETA = {"llama": 500000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "mistral": 1000000.0}
+ROPE_THETA = {
+    "llama": 500000.0,
+    "qwen2": 1000000.0,
+    "qwen3": 1000000.0,
+    "mistral": 1000000.0,
+    "gemma3": 1000000.0,  # the global layers'; the sliding ones use GEMMA3_LOCAL_THETA
+    "smollm3": 2000000.0,
+    "olmo2": 500000.0,
+    "granite": 10000000.0,
+}
+GEMMA3_LOCAL_THETA = 10000.0
+GEMMA3_PATTERN = 6  # every sixth layer global, the others sliding (Gemma 3's 5:1)
+# Granite 3's multipliers (2B): far from 1, so an engine that skips one is caught by comparisons
+GRANITE_MULTIPLIERS = dict(
+    embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0
+)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -58,8 +77,8 @@ def _perturb_unit_params(model: Any, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("bias"):
                 param.copy_(0.02 * torch.randn(param.shape, generator=gen))
-            elif "norm" in name and param.dim() == 1:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif "norm" in name and param.dim() == 1:  # around its init: 1, or 0 for Gemma's 1 + w norms
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
 
 
 def make_config(
@@ -105,10 +124,31 @@ def make_config(
         kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
     if arch == "qwen2":
         kwargs.pop("head_dim")  # Qwen2 always uses hidden // heads (and has qkv bias by construction)
+    kwargs.update(_family_kwargs(arch, layers, kwargs["rope_parameters"], sliding_window))
     config = getattr(transformers, ARCHS[arch][0])(**kwargs)
     config.architectures = [ARCHS[arch][1]]
     config.dtype = dtype
     return config
+
+
+def _family_kwargs(arch: str, layers: int, rope: dict, sliding_window: int | None) -> dict[str, Any]:
+    """The config fields of the architectures beyond Llama's shape."""
+    if arch == "gemma3":
+        kinds = [
+            "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(layers)
+        ]
+        local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}
+        return dict(
+            layer_types=kinds,
+            sliding_window=sliding_window or 512,
+            query_pre_attn_scalar=24,  # not head_dim: an engine scaling by 1/sqrt(head_dim) is caught
+            rope_parameters={"sliding_attention": local, "full_attention": rope},
+        )
+    if arch == "smollm3" and sliding_window is not None:
+        return dict(use_sliding_window=True, sliding_window=sliding_window)
+    if arch == "granite":
+        return dict(GRANITE_MULTIPLIERS)
+    return {}
 
 
 def build_checkpoint(

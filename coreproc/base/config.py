@@ -26,7 +26,7 @@ from coreproc.base import options as opt
 from coreproc.base.errors import ConfigError
 from coreproc.base.limits import RequestLimits
 from coreproc.base.lora import LoRAConfig
-from coreproc.base.model_config import ModelConfig, one_of, read_draft
+from coreproc.base.model_config import ModelConfig, one_of, read_draft, refuse_unsupported
 from coreproc.base.options import at_least, option
 from coreproc.base.parallel_config import ParallelConfig
 
@@ -292,6 +292,7 @@ class EngineConfig:
             m["model"], m["dtype"], m["max_model_len"], m["seed"], device.resolved_type, m["quantization"],
             m["revision"],
         )  # fmt: skip
+        refuse_unsupported(model_cfg, parallel.tensor_parallel_size)
         sched = parts["scheduler"]
         if sched["max_num_batched_tokens"] is None:
             sched["max_num_batched_tokens"] = max(2048, min(model_cfg.max_model_len, 8192))

@@ -28,11 +28,15 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # model (in workers.models, which imports torch: named, not imported). The config accepts these names,
 # workers.models.resolve imports the class, the preload zygote imports the modules ahead.
 ARCHITECTURES: dict[str, str] = {
+    "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
+    "GraniteForCausalLM": "workers.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
     "LlavaForConditionalGeneration": "workers.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
+    "Olmo2ForCausalLM": "workers.models.olmo2:Olmo2ForCausalLM",
     "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
+    "SmolLM3ForCausalLM": "workers.models.smollm3:SmolLM3ForCausalLM",
 }
 # vision-language architectures: config.json nests the language model's config under `text_config`
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
@@ -174,6 +178,16 @@ class ModelConfig:
             quantization=quantization,
             revision=revision,
             image_token_id=image_token_id,
+        )
+
+
+def refuse_unsupported(model: ModelConfig, tensor_parallel_size: int) -> None:
+    """A combination an architecture cannot run yet, refused at start in one line naming both."""
+    if model.architecture == "Olmo2ForCausalLM" and tensor_parallel_size > 1:
+        raise ConfigError(
+            "Olmo2ForCausalLM cannot run with tensor parallelism in this version (its q/k norms span all "
+            f"heads), got tensor_parallel_size={tensor_parallel_size}",
+            option="tensor_parallel_size",
         )
 
 

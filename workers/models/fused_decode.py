@@ -24,8 +24,9 @@ from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
 from kernels.qgemm import KINDS
 from workers.models.layers import ColumnLinear, PagedAttention, RotaryEmbedding, RowLinear
-from workers.models.llama import DecoderLayer, LlamaForCausalLM
+from workers.models.llama import LlamaForCausalLM
 from workers.models.ops import NativeCpuOps
+from workers.models.parts import DecoderLayer
 from workers.quant.fp8 import Fp8PerTensor
 from workers.quant.gguf import GGUFPacked
 from workers.quant.packed import PackedBf16
@@ -73,7 +74,8 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not all(isinstance(m.ops, NativeCpuOps) for m in (mlp, attn.rotary, *norms)):
+    rotary = attn.rotary
+    if rotary is None or not all(isinstance(m.ops, NativeCpuOps) for m in (mlp, rotary, *norms)):
         return None
     segs = [segments(lin) for lin in linears]
     if any(s is None for s in segs) or any(lin.tp.size != 1 for lin in linears):
@@ -96,7 +98,7 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     scales = [torch.empty(0) if s is None else s for s in found]
     biases = [torch.empty(0) if lin.bias is None else lin.bias for lin in linears]
     window = attn.attn.sliding_window or 0
-    dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.rotary.rotary_dim, window]
+    dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim, window]
     norm_weights: list[torch.Tensor] = [norms[0].weight, norms[1].weight]
     args = (attn.attn.scale, norms[0].eps, attn.attn)
     return FusedLayer(norm_weights, weights, scales, biases, specs, dims, *args)
@@ -163,7 +165,8 @@ class FusedDecode:
             return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
         body = self.model.model
         rotary = self.model.held_layers()[0].self_attn.rotary
-        x = body.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        assert rotary is not None, "a plain model rotates every layer"
+        x = self.model.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         x = run(self.layers, rotary, positions, x, kv_caches, meta)
         return body.norm(x) if self.model.pp.is_last else x
 
@@ -171,6 +174,8 @@ class FusedDecode:
 def plan(model: LlamaForCausalLM) -> FusedDecode | None:
     """The one-call layers of a bf16 model (or pipeline stage) when every layer it holds qualifies, else
     None."""
+    if not model.parts.plain:  # the one-call layer computes Llama's shape only
+        return None
     held = model.held_layers()
     dtype = model.model.embed_tokens.out_dtype if model.pp.is_first else held[0].input_layernorm.weight.dtype
     if dtype != torch.bfloat16:

@@ -224,10 +224,13 @@ class RMSNorm(OpModule):
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def rope_parameters(hf_config: Any) -> dict:
-    """The rope settings of a config, whether in the newer `rope_parameters` or older `rope_scaling` form."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
+    """The rope settings of a config, whether in the newer `rope_parameters` or older `rope_scaling` form
+    (with `layer_type`, that kind of layer's, from a config that gives them per kind)."""
     params = getattr(hf_config, "rope_parameters", None)
-    if params:
+    if params and layer_type is not None:
+        params = dict(params[layer_type])
+    elif params:
         params = dict(params)
     else:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -247,10 +250,17 @@ class RotaryEmbedding(OpModule):
     sin: torch.Tensor
 
     def __init__(
-        self, hf_config: Any, head_dim: int, max_positions: int, ops: LayerOps | None = None
+        self,
+        hf_config: Any,
+        head_dim: int,
+        max_positions: int,
+        ops: LayerOps | None = None,
+        layer_type: str | None = None,
     ) -> None:
+        """`layer_type`: the rope parameters of that kind of layer, where the config gives them per
+        kind (Gemma 3's `rope_parameters["sliding_attention"]`)."""
         super().__init__(ops)
-        params = rope_parameters(hf_config)
+        params = rope_parameters(hf_config, layer_type)
         rope_type = params["rope_type"]
         if rope_type not in STATIC_ROPE_TYPES:
             raise ValueError(
@@ -265,7 +275,8 @@ class RotaryEmbedding(OpModule):
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu)
+            kind = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, cpu, **kind)
         self.rotary_dim = rotary_dim
         self.max_positions = max_positions
         self.inv_freq, self.scaling = inv_freq.float(), scaling  # host copies: tables can be rebuilt

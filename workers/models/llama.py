@@ -1,9 +1,10 @@
-"""LlamaForCausalLM: the decoder-only transformer that the other supported architectures specialise.
+"""LlamaForCausalLM: the decoder-only transformer every supported architecture is built as.
 
 Runs in worker processes. Weight names mirror Hugging Face's (`model.layers.N.self_attn.q_proj`, ...);
-q/k/v and gate/up are stacked into one projection each, mapped by `stacked_params`. Subclasses flip
-class attributes (qkv bias, q/k norm, sliding window) instead of re-implementing layers. Which kernels
-run (the ops strategy, the one-call decode layers) is chosen by the worker after building.
+q/k/v and gate/up are stacked into one projection each, mapped by `stacked_params`. A model is
+assembled from the parts its config chooses (parts.py: `decoder_parts` gives Llama's; an architecture
+overrides it, or flips the class attributes below for the Llama-shaped ones). Which kernels run (the
+ops strategy, the one-call decode layers) is chosen by the worker after building.
 forward(input_ids[T], positions[T], kv_caches, meta) -> hidden[T, hidden]; compute_logits -> float32.
 A pipeline stage builds only its layers (the others are `StageMissing`, so names keep their indices),
 the embedding on the first stage and the final norm and LM head on the last (the embedding too when
@@ -19,93 +20,10 @@ import torch
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
-from workers.models.layers import (
-    ColumnLinear,
-    LMHead,
-    PagedAttention,
-    RMSNorm,
-    RotaryEmbedding,
-    RowLinear,
-    VocabEmbedding,
-)
-from workers.models.ops import OpModule
+from workers.models.layers import LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from workers.models.parts import DecoderAttention, DecoderLayer, DecoderParts, LayerKind, activation, norm
 from workers.parallel import PPGroup, TPGroup
 from workers.quant.base import QuantMethod
-
-
-class DecoderAttention(nn.Module):
-    def __init__(
-        self,
-        cfg: Any,
-        tp: TPGroup,
-        backend: AttentionBackend,
-        rotary: RotaryEmbedding,
-        qkv_bias: bool,
-        o_bias: bool,
-        qk_norm: bool,
-        sliding_window: int | None,
-        quant: QuantMethod | None = None,
-    ) -> None:
-        super().__init__()
-        hidden = cfg.hidden_size
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        self.head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-        self.num_heads = tp.shard(heads, "num_attention_heads")
-        self.num_kv_heads = tp.shard(kv_heads, "num_key_value_heads")
-        d = self.head_dim
-        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.qkv_proj = ColumnLinear(hidden, [heads * d, kv_heads * d, kv_heads * d], qkv_bias, tp, quant)
-        self.o_proj = RowLinear(heads * d, hidden, o_bias, tp, quant)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if qk_norm else None
-        self.rotary = rotary  # one table shared by every layer
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, sliding_window, backend)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # [T, heads * D] -> [T, heads, D]
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # both or neither (`qk_norm`)
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
-
-
-class DecoderMLP(OpModule):
-    def __init__(self, cfg: Any, tp: TPGroup, quant: QuantMethod | None = None) -> None:
-        super().__init__()
-        inter = cfg.intermediate_size
-        act = getattr(cfg, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"activation {act!r} is not supported (only silu)")
-        bias = getattr(cfg, "mlp_bias", False)
-        self.gate_up_proj = ColumnLinear(cfg.hidden_size, [inter, inter], bias, tp, quant)
-        self.down_proj = RowLinear(inter, cfg.hidden_size, bias, tp, quant)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, cfg: Any, tp: TPGroup, attn: DecoderAttention, quant: QuantMethod | None = None
-    ) -> None:
-        super().__init__()
-        self.self_attn = attn
-        self.mlp = DecoderMLP(cfg, tp, quant)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class StageMissing(nn.Module):
@@ -129,13 +47,20 @@ class DecoderModel(nn.Module):
     layers: DecoderLayers
 
     def __init__(
-        self, cfg: Any, tp: TPGroup, layers: Sequence[nn.Module], embed: bool = True, norm: bool = True
+        self,
+        cfg: Any,
+        tp: TPGroup,
+        layers: Sequence[nn.Module],
+        parts: DecoderParts,
+        embed: bool = True,
+        final_norm: bool = True,
     ) -> None:
         super().__init__()
         embedding = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp) if embed else StageMissing()
         self.embed_tokens = cast(VocabEmbedding, embedding)
         self.layers = cast(DecoderLayers, nn.ModuleList(layers))
-        self.norm = cast(RMSNorm, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if norm else StageMissing())
+        last = norm(cfg.hidden_size, cfg.rms_norm_eps, parts) if final_norm else StageMissing()
+        self.norm = cast(RMSNorm, last)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -167,42 +92,31 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.pp = pp or PPGroup()
+        self.parts = parts = self.decoder_parts(cfg)
         held = self.pp.layers(cfg.num_hidden_layers)
-        cfg_bias = bool(getattr(cfg, "attention_bias", False))
-        qkv_bias = cfg_bias if self.qkv_bias is None else self.qkv_bias
-        o_bias = cfg_bias if self.o_bias is None else self.o_bias
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        rotary = RotaryEmbedding(cfg, head_dim, max_positions)
+        # one rotary table per kind of layer that rotates (Gemma 3: local and global bases)
+        tables = {kind.rope for kind in parts.layers if kind.rope is not None}
+        kinds = {name: None if name == "default" else name for name in sorted(tables)}
+        rotary = {
+            name: RotaryEmbedding(cfg, head_dim, max_positions, layer_type=k) for name, k in kinds.items()
+        }
         layers = [
-            DecoderLayer(
-                cfg,
-                tp,
-                DecoderAttention(
-                    cfg,
-                    tp,
-                    backend,
-                    rotary,
-                    qkv_bias,
-                    o_bias,
-                    self.qk_norm,
-                    self.layer_sliding_window(cfg, i),
-                    quant,
-                ),
-                quant,
-            )
+            DecoderLayer(cfg, tp, self._attention(cfg, tp, backend, rotary, kind, quant), parts, quant)
             if i in held
             else StageMissing()
-            for i in range(cfg.num_hidden_layers)
+            for i, kind in enumerate(parts.layers)
         ]
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         first, last = self.pp.is_first, self.pp.is_last
-        self.model = DecoderModel(cfg, tp, layers, first or (last and self.tie_word_embeddings), last)
+        embed = first or (last and self.tie_word_embeddings)
+        self.model = DecoderModel(cfg, tp, layers, parts, embed, last)
         self.held = held  # the decoder layers this stage computes
         head_quant = None if quant is None else quant.head_method()
         head = LMHead(cfg.vocab_size, cfg.hidden_size, tp, head_quant) if last else StageMissing()
         self.lm_head = cast(LMHead, head)
         missing = [f"model.layers.{i}." for i in range(cfg.num_hidden_layers) if i not in held]
-        missing += [] if first or (last and self.tie_word_embeddings) else ["model.embed_tokens."]
+        missing += [] if embed else ["model.embed_tokens."]
         missing += [] if last else ["model.norm.", "lm_head."]
         self.missing_prefixes = tuple(missing)  # checkpoint tensors another pipeline stage loads
         if self.tie_word_embeddings and last:
@@ -210,14 +124,42 @@ class LlamaForCausalLM(nn.Module):
             # the head its own processed copy, since the embedding lookup needs the plain rows
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def layer_sliding_window(self, cfg: Any, index: int) -> int | None:
+    def _attention(
+        self,
+        cfg: Any,
+        tp: TPGroup,
+        backend: AttentionBackend,
+        rotary: dict[str, RotaryEmbedding],
+        kind: LayerKind,
+        quant: QuantMethod | None,
+    ) -> DecoderAttention:
+        table = None if kind.rope is None else rotary[kind.rope]
+        return DecoderAttention(cfg, tp, backend, table, self.parts, kind.window, quant)
+
+    @classmethod
+    def decoder_parts(cls, cfg: Any) -> DecoderParts:
+        """Llama's parts: pre-norms, SwiGLU, one rotary table, biases as `attention_bias` says unless
+        the class fixes them, q/k norms per head when the class says, sliding windows per
+        `layer_types` (every layer's with `sliding_window_all_layers`)."""
+        bias = bool(getattr(cfg, "attention_bias", False))
+        layers = tuple(LayerKind(cls.layer_sliding_window(cfg, i)) for i in range(cfg.num_hidden_layers))
+        return DecoderParts(
+            layers=layers,
+            qkv_bias=bias if cls.qkv_bias is None else cls.qkv_bias,
+            o_bias=bias if cls.o_bias is None else cls.o_bias,
+            qk_norm="head" if cls.qk_norm else None,
+            act=activation(cfg),
+        )
+
+    @classmethod
+    def layer_sliding_window(cls, cfg: Any, index: int) -> int | None:
         window = getattr(cfg, "sliding_window", None)
         layer_types = getattr(cfg, "layer_types", None)
         if window is None:
             return None
         if layer_types is not None:
             return window if layer_types[index] == "sliding_attention" else None
-        return window if self.sliding_window_all_layers else None
+        return window if cls.sliding_window_all_layers else None
 
     def forward(
         self,
@@ -242,8 +184,12 @@ class LlamaForCausalLM(nn.Module):
         return [self.model.layers[i] for i in self.held]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The token embeddings [T, hidden] of `input_ids` [T]."""
-        return self.model.embed_tokens(input_ids)
+        """The token embeddings [T, hidden] of `input_ids` [T] (times the parts' embedding scale,
+        rounded to the activation dtype as Gemma's scaled embedding does)."""
+        x = self.model.embed_tokens(input_ids)
+        scale = self.parts.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
+        logits = self.lm_head.compute_logits(hidden)
+        return logits if self.parts.logit_divisor == 1.0 else logits / self.parts.logit_divisor

@@ -1,4 +1,4 @@
-"""The elementwise ops of the decoder layers (RMSNorm, rotary, SwiGLU) as one strategy object per model.
+"""The elementwise ops of the decoder layers (RMSNorm, rotary, SwiGLU, GeGLU) as one strategy per model.
 
 Runs in worker processes. `TorchOps` holds the torch references (Hugging Face's numerics: RMSNorm in
 float32, rotate-half rotary with cos/sin cast to the activation dtype); `NativeCpuOps` runs the fused
@@ -35,6 +35,8 @@ class LayerOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 class TorchOps:
@@ -74,6 +76,11 @@ class TorchOps:
         """SwiGLU on a stacked [gate | up] projection."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """GeGLU (tanh-approximated GELU, Gemma's) on a stacked [gate | up] projection."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class NativeCpuOps(TorchOps):

@@ -1,0 +1,96 @@
+"""The architectures beyond Llama's shape (workers/models/parts.py and one file each) against transformers.
+
+Each is a tiny checkpoint built with transformers' own classes (`ember make-model --arch ...`), with
+what makes it itself: Gemma 3 with seven layers (six sliding, one global, their own rope bases), a
+window shorter than the prompts, `query_pre_attn_scalar` unlike the head size; SmolLM3 with a NoPE
+layer; OLMo 2's post-norms and q/k norms over all heads; Granite's four multipliers far from 1; all
+with 6 heads over 2 kv heads of 16 (not hidden / heads).
+Shown per architecture: float32 greedy tokens equal transformers' for prompts longer than the
+window, batched and one at a time and with a tiny token budget (chunked prefill across the window),
+logprobs within 1e-4; bf16 on the native CPU ops agrees with float32 on the next token teacher-forced.
+Run: `pytest -q tests/workers/test_architectures.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coreproc import LLM, SamplingParams
+from coreproc.base.errors import ConfigError
+from tests.hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_greedy
+
+pytestmark = pytest.mark.model
+
+MAX_NEW = 20
+WINDOW = 8
+# make-model arguments: odd sizes, several layer kinds
+SHAPES = dict(hidden=72, heads=6, kv_heads=2, head_dim=16, intermediate=112)
+FAMILIES = {
+    "gemma3": dict(layers=7, sliding_window=WINDOW),
+    "smollm3": dict(layers=4),  # layer 3 has no positional encoding
+    "olmo2": dict(layers=3),
+    "granite": dict(layers=3),
+}
+BF16_MIN_TOP1 = 0.97
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, make_ckpt) -> tuple[str, Path]:
+    return request.param, make_ckpt(request.param, **SHAPES, **FAMILIES[request.param])
+
+
+@pytest.fixture(scope="module")
+def reference(family) -> tuple[list[list[int]], list[tuple[list[int], list[float]]]]:
+    """The prompts (every one longer than the window but one) and transformers' greedy runs of them."""
+    _, path = family
+    with LLM(str(path), dtype="float32", show_progress=False) as llm:
+        prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:6]]
+    assert sum(len(p) > WINDOW for p in prompts) >= 5
+    return prompts, [hf_greedy(str(path), p, MAX_NEW) for p in prompts]
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return tokens, [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
+
+
+@pytest.mark.parametrize("setup", [{}, {"max_num_batched_tokens": 16}], ids=["default", "chunked"])
+def test_float32_greedy_equals_transformers_batched_and_alone(family, reference, setup) -> None:
+    _, path = family
+    prompts, ref = reference
+    with LLM(str(path), dtype="float32", show_progress=False, **setup) as llm:
+        tokens, logprobs = greedy(llm, prompts)
+        alone = [greedy(llm, [p])[0][0] for p in prompts[:3]]
+    check_outputs_equal(tokens, [r[0] for r in ref])
+    check_logprobs_close(logprobs, [r[1] for r in ref])
+    check_outputs_equal(alone, [r[0] for r in ref[:3]])
+
+
+def test_bf16_on_the_native_ops_agrees_teacher_forced(family, reference, native_kernels) -> None:
+    """Prompt + float32 continuation through a bf16 engine: its top-1 next token at every position of
+    the continuation against float32's (the continuation's next token)."""
+    _, path = family
+    prompts, ref = reference
+    seqs = [p + r[0] for p, r in zip(prompts, ref)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    with LLM(str(path), dtype="bfloat16", show_progress=False) as llm:
+        assert llm.engine.executor.worker.linear_kernel == "cpu_bf16"
+        outs = llm.generate(seqs, params, use_tqdm=False)
+    hits = total = 0
+    for prompt, seq, out in zip(prompts, seqs, outs):
+        for pos in range(len(prompt), len(seq)):
+            entry = out.prompt_logprobs[pos]
+            top = max(entry, key=lambda t: entry[t].logprob)
+            hits, total = hits + (top == seq[pos]), total + 1
+    print(f"{family[0]}: bf16 top-1 {hits / total:.3f} over {total} positions")
+    assert hits / total >= BF16_MIN_TOP1
+
+
+def test_olmo2_with_tensor_parallelism_is_refused_in_one_line(make_ckpt) -> None:
+    path = make_ckpt("olmo2", **SHAPES, **FAMILIES["olmo2"])
+    with pytest.raises(ConfigError, match="Olmo2ForCausalLM cannot run with tensor parallelism"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=2, show_progress=False)
