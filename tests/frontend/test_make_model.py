@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from frontend.make_model import ARCHS, build_checkpoint, main
+from frontend.make_model import ARCHS, TIED_BY_DEFAULT, build_checkpoint, main
 from frontend.tokenizer_train import train_tokenizer
 from tests.paths import ASSETS
 
@@ -58,7 +58,7 @@ def test_tiny_checkpoint_loads_and_runs(tiny: dict[str, Path], arch: str) -> Non
     assert type(model).__name__ == ARCHS[arch][1]
     assert model.config.architectures == [ARCHS[arch][1]]
     assert model.config.vocab_size == 512 and model.config.hidden_size == 64
-    assert model.config.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
+    assert model.config.tie_word_embeddings == (arch in TIED_BY_DEFAULT)
     assert model.config.bos_token_id == tokenizer.bos_token_id
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.generation_config.eos_token_id == [
@@ -67,7 +67,7 @@ def test_tiny_checkpoint_loads_and_runs(tiny: dict[str, Path], arch: str) -> Non
     ]
     names = {n for n, _ in model.named_parameters()}
     assert any(n.endswith("q_proj.bias") for n in names) == (arch == "qwen2")
-    assert any("q_norm" in n for n in names) == (arch == "qwen3")
+    assert any("q_norm" in n for n in names) == (arch in ("qwen3", "gemma3", "olmo2"))
     ids = tokenizer(CODE, return_tensors="pt").input_ids
     assert ids[0, 0].item() == tokenizer.bos_token_id
     assert tokenizer.decode(ids[0], skip_special_tokens=True) == CODE
