@@ -170,6 +170,7 @@ def build_checkpoint(
     rope_parameters: dict | None = None,
     sliding_window: int | None = None,
     max_shard_size: str | None = None,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
     """Build a seeded random checkpoint of ``arch`` at ``size`` (explicit arguments win) into ``out_dir``."""
     _check(arch in ARCHS, f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
@@ -222,6 +223,8 @@ def build_checkpoint(
         rope_parameters=rope_parameters,
         sliding_window=sliding_window,
     )
+    for key, value in (extra_config or {}).items():  # fields the presets do not set (tests)
+        setattr(config, key, value)
     import torch
 
     torch.manual_seed(seed)

@@ -1,9 +1,11 @@
-"""Write a Hugging Face Llama / Qwen2 / Qwen3 folder as a GGUF file, the way llama.cpp lays one out.
+"""Write a Hugging Face folder as a GGUF file, the way llama.cpp's converter lays one out.
 
 A repository script for tests and experiments (not installed): `python -m tools.hf_to_gguf MODEL_DIR
 OUT.gguf [--type Q8_0]`. Metadata under llama.cpp's keys (hyperparameters, the byte-level BPE
 tokenizer's tokens, merges, token types, special ids and chat template), tensors under llama.cpp's
-names, the `llama` architecture's q/k rows permuted as llama.cpp's converter does, 2-D weights
+names, q/k rows permuted where llama.cpp's converter permutes them (Llama and the models derived from
+it), Gemma's norm weights stored as 1 + w, the families' own keys (Gemma 3's window, Granite's
+multipliers); Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM3, OLMo 2 and Granite folders; 2-D weights
 quantized with the `gguf` package's reference quantizer (norms and biases stay F32). The `gguf`
 package writes the file (`GGUFWriter`). Only types that package can quantize: F32, F16, BF16, Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1.
@@ -20,21 +22,31 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
-from workers.gguf.weights import BLOCK, TOP
+from coreproc.base.gguf_file import GRANITE_SCALES
+from workers.gguf.weights import NORM_SHIFTED, PERMUTED, TOP, block_names
 
-ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHS = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "smollm3": "smollm3",
+    "olmo2": "olmo2",
+    "granite": "granite",
+}
 WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 CONTROL, NORMAL = 3, 1
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
     """llama.cpp's name of a transformers tensor (the inverse of `workers.gguf.weights.hf_name`)."""
     stem, _, suffix = name.rpartition(".")
     for gguf, hf in TOP.items():
         if stem == hf:
             return f"{gguf}.{suffix}"
     parts = stem.split(".", 3)  # model, layers, N, rest
-    for gguf, hf in BLOCK.items():
+    for gguf, hf in block_names(arch).items():
         if len(parts) == 4 and parts[3] == hf:
             return f"blk.{parts[2]}.{gguf}.{suffix}"
     raise ValueError(f"no GGUF name for tensor {name}")
@@ -75,6 +87,38 @@ def _tokenizer_metadata(writer: GGUFWriter, model_dir: Path) -> None:
         writer.add_chat_template(config["chat_template"])
 
 
+def _family_metadata(writer: GGUFWriter, arch: str, cfg: dict, head_dim: int) -> None:
+    """The keys llama.cpp reads for the families beyond Llama's shape; ValueError for a config that
+    llama.cpp would run differently (it derives what it does not read)."""
+    if arch == "gemma3":
+        if cfg.get("query_pre_attn_scalar", head_dim) != head_dim:  # llama.cpp derives the scale
+            raise ValueError(
+                "llama.cpp scales Gemma 3's queries by head_dim ** -0.5: set query_pre_attn_scalar"
+            )
+        kinds = cfg.get("layer_types") or []
+        if "sliding_attention" in kinds:
+            writer.add_sliding_window(cfg["sliding_window"])
+            pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else len(kinds) + 1
+            expect = [
+                "sliding_attention" if i % pattern < pattern - 1 else "full_attention"
+                for i in range(len(kinds))
+            ]
+            if kinds != expect:
+                raise ValueError("Gemma 3's layer_types must repeat one pattern (k sliding, then one global)")
+            writer.add_uint32(f"{arch}.attention.sliding_window_pattern", pattern)
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {})
+        writer.add_float32(f"{arch}.rope.freq_base_swa", float(local.get("rope_theta", 10000.0)))
+        if cfg.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+    if arch == "smollm3":
+        layers = cfg["num_hidden_layers"]
+        if cfg.get("no_rope_layers") != [int((i + 1) % 4 != 0) for i in range(layers)]:
+            raise ValueError("llama.cpp's SmolLM3 has no rotary on every fourth layer, exactly")
+    if arch == "granite":
+        for key, hf in GRANITE_SCALES.items():
+            writer.add_float32(f"{arch}.{key}", float(cfg[hf]))
+
+
 def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     """Write `model_dir` as the GGUF file `out` with 2-D weights in `qtype`; returns `out`."""
     model_dir, out = Path(model_dir), Path(out)
@@ -85,6 +129,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+    rope = rope.get("full_attention", rope)  # Gemma 3's per-kind parameters: the global layers' here
     writer = GGUFWriter(str(out), arch)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_block_count(cfg["num_hidden_layers"])
@@ -99,6 +144,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_file_type({"F32": 0, "F16": 1, "BF16": 32}.get(qtype, 7))
+    _family_metadata(writer, arch, cfg, head_dim)
     _tokenizer_metadata(writer, model_dir)
     target = GGMLQuantizationType[qtype]
     block = GGML_QUANT_SIZES[target][0]
@@ -109,15 +155,17 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         tensor = tensor.float()
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch in PERMUTED and name.endswith(("q_proj.weight", "q_proj.bias")):
             tensor = permute_rotary(tensor, heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch in PERMUTED and name.endswith(("k_proj.weight", "k_proj.bias")):
             tensor = permute_rotary(tensor, kv_heads)
+        if arch in NORM_SHIFTED and name.endswith("norm.weight"):
+            tensor = tensor + 1.0
         array = tensor.numpy()
         if array.ndim == 2 and array.shape[-1] % block == 0 and qtype != "F32":
-            writer.add_tensor(gguf_name(name), quants.quantize(array, target), raw_dtype=target)
+            writer.add_tensor(gguf_name(name, arch), quants.quantize(array, target), raw_dtype=target)
         else:
-            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array, dtype=np.float32))
+            writer.add_tensor(gguf_name(name, arch), np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -38,7 +38,21 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
+    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
+    "granite": ("GraniteForCausalLM", "granite"),
 }
+# Granite's multipliers: GGUF key -> config.json key
+GRANITE_SCALES = {
+    "embedding_scale": "embedding_multiplier",
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
+}
+GEMMA3_SWA_PATTERN = 6  # llama.cpp's default: every sixth layer global
+GEMMA3_SWA_THETA = 10000.0  # llama.cpp's default rope base of the sliding layers
+NO_ROPE_STEP = 4  # SmolLM3: every fourth layer without rotary (llama.cpp's n_no_rope_layer_step)
 # `<arch>.<key>` -> config.json key
 HPARAMS = {
     "context_length": "max_position_embeddings",
@@ -359,7 +373,41 @@ def hf_config(meta: dict[str, Any], tensor_names: tuple[str, ...], source: str) 
     cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     cfg["hidden_act"] = "silu"
     cfg["torch_dtype"] = cfg["dtype"] = _stored_dtype(meta)
+    cfg |= _family_config(arch, meta, cfg, rope)
     return cfg
+
+
+def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: dict) -> dict[str, Any]:
+    """What an architecture beyond Llama's shape adds, as llama.cpp reads its files."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "gemma3":
+        pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN))
+        window = meta.get(f"{arch}.attention.sliding_window")
+        kinds = [
+            "sliding_attention" if window and i % pattern < pattern - 1 else "full_attention"
+            for i in range(layers)
+        ]
+        local = {
+            "rope_type": "default",
+            "rope_theta": meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_SWA_THETA),
+        }
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        # llama.cpp scales queries by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)
+        scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else head_dim
+        return {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": kinds,
+            "sliding_window": window,
+            "query_pre_attn_scalar": scalar,
+            "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
+            "rope_local_base_freq": local["rope_theta"],  # transformers 4
+            "rope_parameters": {"sliding_attention": local, "full_attention": rope},
+        }
+    if arch == "smollm3":
+        return {"no_rope_layers": [int((i + 1) % NO_ROPE_STEP != 0) for i in range(layers)]}
+    if arch == "granite":
+        return {hf: meta[f"{arch}.{key}"] for key, hf in GRANITE_SCALES.items() if f"{arch}.{key}" in meta}
+    return {}
 
 
 def _stored_dtype(meta: dict[str, Any]) -> str:

@@ -7,7 +7,9 @@ layer; OLMo 2's post-norms and q/k norms over all heads; Granite's four multipli
 with 6 heads over 2 kv heads of 16 (not hidden / heads).
 Shown per architecture: float32 greedy tokens equal transformers' for prompts longer than the
 window, batched and one at a time and with a tiny token budget (chunked prefill across the window),
-logprobs within 1e-4; bf16 on the native CPU ops agrees with float32 on the next token teacher-forced.
+logprobs within 1e-4; bf16 on the native CPU ops agrees with float32 on the next token teacher-forced;
+a GGUF file of it, written under llama.cpp's names and keys (tools/hf_to_gguf.py), gives the
+float32 folder's tokens.
 Run: `pytest -q tests/workers/test_architectures.py`.
 """
 
@@ -20,6 +22,7 @@ import pytest
 from coreproc import LLM, SamplingParams
 from coreproc.base.errors import ConfigError
 from tests.hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_greedy
+from tools.hf_to_gguf import write_gguf
 
 pytestmark = pytest.mark.model
 
@@ -34,6 +37,8 @@ FAMILIES = {
     "granite": dict(layers=3),
 }
 BF16_MIN_TOP1 = 0.97
+# llama.cpp derives Gemma 3's query scale from head_dim: its GGUF files cannot say another
+GGUF_CONFIG = {"gemma3": {"query_pre_attn_scalar": SHAPES["head_dim"]}}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -88,6 +93,21 @@ def test_bf16_on_the_native_ops_agrees_teacher_forced(family, reference, native_
             hits, total = hits + (top == seq[pos]), total + 1
     print(f"{family[0]}: bf16 top-1 {hits / total:.3f} over {total} positions")
     assert hits / total >= BF16_MIN_TOP1
+
+
+def test_a_gguf_file_gives_the_folders_tokens(family, make_ckpt, tmp_path: Path) -> None:
+    arch, _ = family
+    folder = make_ckpt(arch, **SHAPES, **FAMILIES[arch], extra_config=GGUF_CONFIG.get(arch))
+    gguf = write_gguf(folder, tmp_path / f"{arch}.gguf")
+    runs = []
+    prompts: list[list[int]] = []
+    for path in (folder, gguf):  # the same ids into both: the tiny tokenizer's split is not GPT-2's
+        with LLM(str(path), dtype="float32", show_progress=False) as llm:
+            prompts = prompts or [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:4]]
+            runs.append(greedy(llm, prompts))
+    (tokens, logprobs), (gguf_tokens, gguf_logprobs) = runs
+    check_outputs_equal(gguf_tokens, tokens)
+    check_logprobs_close(gguf_logprobs, logprobs)
 
 
 def test_olmo2_with_tensor_parallelism_is_refused_in_one_line(make_ckpt) -> None:

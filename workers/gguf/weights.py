@@ -3,11 +3,13 @@
 Runs in worker processes (`workers.loader.open_checkpoint` hands a `.gguf` file here). Each tensor is
 read zero-copy from the file's memory map (`coreproc.base.gguf_file.GGUFFile`), dequantized to float32
 exactly as the `gguf` package's reference does (`workers.gguf.dequant`), renamed from llama.cpp's
-names (`blk.3.attn_q.weight`) to transformers' (`model.layers.3.self_attn.q_proj.weight`), and for
-the `llama` architecture the rotary permutation that llama.cpp's converter applies to the q and k
-projections is undone. Names with no mapping come out unchanged, so the loader names them in its error.
-With `native=True` (the CPU fast path) 2-D tensors of the types `workers.gguf.repack` handles come out
-as `GGUFTensor`s instead: their bytes, unpermuted by rows, for a quantization method to repack.
+names (`blk.3.attn_q.weight`) to transformers' (`model.layers.3.self_attn.q_proj.weight`; per
+architecture where its norms differ), for the architectures llama.cpp's converter permutes (Llama's
+and those derived from it) the rotary permutation of the q and k projections is undone, and Gemma's
+norm weights, stored as 1 + w, come out as transformers' w. Names with no mapping come out
+unchanged, so the loader names them in its error. With `native=True` (the CPU fast path) 2-D tensors
+of the types `workers.gguf.repack` handles come out as `GGUFTensor`s instead: their bytes, unpermuted
+by rows, for a quantization method to repack.
 """
 
 from __future__ import annotations
@@ -42,14 +44,32 @@ BLOCK = {
 }
 
 
-def hf_name(name: str) -> str:
+# the norms after attention and MLP, and Gemma's before the MLP (where Llama's `ffn_norm` is its
+# `post_attention_layernorm`)
+POST_NORMS = {"attn_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}
+BLOCKS = {
+    "gemma3": BLOCK | POST_NORMS | {"ffn_norm": "pre_feedforward_layernorm"},
+    "olmo2": {k: v for k, v in BLOCK.items() if k not in ("attn_norm", "ffn_norm")} | POST_NORMS,
+}
+# llama.cpp's converter interleaves the q/k rotary halves for Llama and the models it derives from
+PERMUTED = ("llama", "granite", "smollm3")
+NORM_SHIFTED = ("gemma3",)  # llama.cpp stores Gemma's 1 + w norm weights with the 1 added
+
+
+def block_names(arch: str) -> dict[str, str]:
+    """llama.cpp's per-layer tensor names -> transformers' for one GGUF architecture."""
+    return BLOCKS.get(arch, BLOCK)
+
+
+def hf_name(name: str, arch: str = "llama") -> str:
     """transformers' name of a GGUF tensor (the GGUF name itself when there is no mapping)."""
     stem, _, suffix = name.rpartition(".")
     if stem in TOP:
         return f"{TOP[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK:
-        return f"model.layers.{parts[1]}.{BLOCK[parts[2]]}.{suffix}"
+    block = block_names(arch)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block:
+        return f"model.layers.{parts[1]}.{block[parts[2]]}.{suffix}"
     return name
 
 
@@ -144,7 +164,7 @@ def iter_gguf(gguf: GGUFFile, native: bool = False) -> Iterator[tuple[str, str, 
     heads = {"attn_q": q_heads, "attn_k": kv_heads}
     for name, info in gguf.tensors.items():
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
-        permute = arch == "llama" and kind in heads and heads[kind]
+        permute = arch in PERMUTED and kind in heads and heads[kind]
         tensor: torch.Tensor | GGUFTensor
         if native and len(info.shape) == 2 and info.qtype in REPACKABLE:
             n, k = (int(s) for s in info.shape)
@@ -167,4 +187,6 @@ def iter_gguf(gguf: GGUFFile, native: bool = False) -> Iterator[tuple[str, str, 
                 raise ValueError(f"tensor {name}: {e}") from None
             if permute:
                 tensor = unpermute_rotary(tensor, heads[kind])
-        yield gguf.path.name, hf_name(name), tensor
+            if arch in NORM_SHIFTED and name.endswith("norm.weight"):
+                tensor = tensor - 1.0  # transformers' w; the model's norm loads it as 1 + w again
+        yield gguf.path.name, hf_name(name, arch), tensor
