@@ -26,6 +26,7 @@ ARCHS: dict[str, tuple[str, str]] = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 _PRESET_FIELDS = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "max_pos", "shard")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -50,6 +51,7 @@ ROPE_THETA = {
     "smollm3": 2000000.0,
     "olmo2": 500000.0,
     "granite": 10000000.0,
+    "phi3": 250000.0,
 }
 GEMMA3_LOCAL_THETA = 10000.0
 GEMMA3_PATTERN = 6  # every sixth layer global, the others sliding (Gemma 3's 5:1)
@@ -117,13 +119,13 @@ def make_config(
     )
     rope = rope_parameters if rope_parameters is not None else {"rope_type": "default"}
     kwargs["rope_parameters"] = {"rope_theta": ROPE_THETA[arch], **rope}
-    if arch == "mistral":
+    if arch in ("mistral", "phi3"):
         kwargs["sliding_window"] = sliding_window
     elif arch in ("qwen2", "qwen3") and sliding_window is not None:
         # Every layer slides: layers numbered >= max_window_layers use the window.
         kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
-    if arch == "qwen2":
-        kwargs.pop("head_dim")  # Qwen2 always uses hidden // heads (and has qkv bias by construction)
+    if arch in ("qwen2", "phi3"):
+        kwargs.pop("head_dim")  # these always use hidden // heads (Qwen2 has qkv bias by construction)
     kwargs.update(_family_kwargs(arch, layers, kwargs["rope_parameters"], sliding_window))
     config = getattr(transformers, ARCHS[arch][0])(**kwargs)
     config.architectures = [ARCHS[arch][1]]
@@ -148,6 +150,8 @@ def _family_kwargs(arch: str, layers: int, rope: dict, sliding_window: int | Non
         return dict(use_sliding_window=True, sliding_window=sliding_window)
     if arch == "granite":
         return dict(GRANITE_MULTIPLIERS)
+    if arch == "phi3" and "original_max_position_embeddings" in rope:  # LongRoPE's trained context
+        return dict(original_max_position_embeddings=rope["original_max_position_embeddings"])
     return {}
 
 

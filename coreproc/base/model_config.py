@@ -34,6 +34,7 @@ ARCHITECTURES: dict[str, str] = {
     "LlavaForConditionalGeneration": "workers.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
     "Olmo2ForCausalLM": "workers.models.olmo2:Olmo2ForCausalLM",
+    "Phi3ForCausalLM": "workers.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
     "SmolLM3ForCausalLM": "workers.models.smollm3:SmolLM3ForCausalLM",
@@ -153,8 +154,20 @@ class ModelConfig:
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         limit = int(hf.get("max_position_embeddings") or 2048)
+        short = longrope_limit(hf)
+        if max_model_len is None and short is not None and short < limit:
+            log.warning(
+                "%s: LongRoPE runs its short factors here: max_model_len %d, not %d", path, short, limit
+            )
+            max_model_len = short
         if max_model_len is None:
             max_model_len = limit
+        elif short is not None and max_model_len > short:
+            raise ConfigError.bad(
+                "max_model_len",
+                f"{max_model_len} needs LongRoPE's long factors, which this version does not run; "
+                f"give at most {short}",
+            )
         elif max_model_len < 2:
             raise ConfigError.bad("max_model_len", f"must be at least 2, got {max_model_len}")
         elif max_model_len > limit:
@@ -179,6 +192,15 @@ class ModelConfig:
             revision=revision,
             image_token_id=image_token_id,
         )
+
+
+def longrope_limit(hf: dict[str, Any]) -> int | None:
+    """The context LongRoPE (Phi-3's `longrope`, once `su`) was trained at, where a config uses it:
+    Ember runs its short factors only, so no longer context (None: not LongRoPE)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        return None
+    return int(rope.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
 
 
 def refuse_unsupported(model: ModelConfig, tensor_parallel_size: int) -> None:

@@ -22,7 +22,7 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_chat_over_http_equals_the_offline_engine(make_ckpt, arch: str) -> None:
-    path = str(make_ckpt(arch, **SHAPES, **FAMILIES[arch]))
+    path = str(make_ckpt(arch, **{**SHAPES, **FAMILIES[arch]}))
     with LLM(path, dtype="float32", show_progress=False) as llm:
         ids = llm.get_tokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
         expect = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]

@@ -3,8 +3,8 @@
 Each is a tiny checkpoint built with transformers' own classes (`ember make-model --arch ...`), with
 what makes it itself: Gemma 3 with seven layers (six sliding, one global, their own rope bases), a
 window shorter than the prompts, `query_pre_attn_scalar` unlike the head size; SmolLM3 with a NoPE
-layer; OLMo 2's post-norms and q/k norms over all heads; Granite's four multipliers far from 1; all
-with 6 heads over 2 kv heads of 16 (not hidden / heads).
+layer; OLMo 2's post-norms and q/k norms over all heads; Granite's four multipliers far from 1;
+Phi-3's fused projections, a window on every layer and LongRoPE; all with 6 heads over 2 kv heads.
 Shown per architecture: float32 greedy tokens equal transformers' for prompts longer than the
 window, batched and one at a time and with a tiny token budget (chunked prefill across the window),
 logprobs within 1e-4; bf16 on the native CPU ops agrees with float32 on the next token teacher-forced;
@@ -35,7 +35,9 @@ FAMILIES = {
     "smollm3": dict(layers=4),  # layer 3 has no positional encoding
     "olmo2": dict(layers=3),
     "granite": dict(layers=3),
+    "phi3": dict(layers=3, head_dim=None, sliding_window=WINDOW),  # fused qkv and gate_up; hidden / heads
 }
+GGUF_FAMILIES = ("gemma3", "smollm3", "olmo2", "granite")
 BF16_MIN_TOP1 = 0.97
 # llama.cpp derives Gemma 3's query scale from head_dim: its GGUF files cannot say another
 GGUF_CONFIG = {"gemma3": {"query_pre_attn_scalar": SHAPES["head_dim"]}}
@@ -43,7 +45,7 @@ GGUF_CONFIG = {"gemma3": {"query_pre_attn_scalar": SHAPES["head_dim"]}}
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest, make_ckpt) -> tuple[str, Path]:
-    return request.param, make_ckpt(request.param, **SHAPES, **FAMILIES[request.param])
+    return request.param, make_ckpt(request.param, **{**SHAPES, **FAMILIES[request.param]})
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +97,9 @@ def test_bf16_on_the_native_ops_agrees_teacher_forced(family, reference, native_
     assert hits / total >= BF16_MIN_TOP1
 
 
-def test_a_gguf_file_gives_the_folders_tokens(family, make_ckpt, tmp_path: Path) -> None:
-    arch, _ = family
-    folder = make_ckpt(arch, **SHAPES, **FAMILIES[arch], extra_config=GGUF_CONFIG.get(arch))
+@pytest.mark.parametrize("arch", GGUF_FAMILIES)
+def test_a_gguf_file_gives_the_folders_tokens(arch: str, make_ckpt, tmp_path: Path) -> None:
+    folder = make_ckpt(arch, **{**SHAPES, **FAMILIES[arch]}, extra_config=GGUF_CONFIG.get(arch))
     gguf = write_gguf(folder, tmp_path / f"{arch}.gguf")
     runs = []
     prompts: list[list[int]] = []
@@ -110,7 +112,31 @@ def test_a_gguf_file_gives_the_folders_tokens(family, make_ckpt, tmp_path: Path)
     check_logprobs_close(gguf_logprobs, logprobs)
 
 
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.1, 1.3, 1.7, 2.3, 3.1],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+    "original_max_position_embeddings": 256,
+}
+
+
+def test_phi3_longrope_runs_its_short_factors_within_its_trained_context(make_ckpt) -> None:
+    """Phi-3's LongRoPE: transformers' short factors and attention factor (max_position_embeddings 1024
+    over 256 trained), the context cut to 256 when none is asked for, a longer one refused."""
+    arch = "phi3"
+    path = make_ckpt(arch, **{**SHAPES, **FAMILIES[arch]}, rope_parameters=LONGROPE)
+    with LLM(str(path), dtype="float32", show_progress=False) as llm:
+        assert llm.engine.config.model.max_model_len == 256
+        prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:4]]
+        tokens, logprobs = greedy(llm, prompts)
+    ref = [hf_greedy(str(path), p, MAX_NEW) for p in prompts]
+    check_outputs_equal(tokens, [r[0] for r in ref])
+    check_logprobs_close(logprobs, [r[1] for r in ref])
+    with pytest.raises(ConfigError, match="max_model_len 512 needs LongRoPE's long factors"):
+        LLM(str(path), dtype="float32", max_model_len=512, show_progress=False)
+
+
 def test_olmo2_with_tensor_parallelism_is_refused_in_one_line(make_ckpt) -> None:
-    path = make_ckpt("olmo2", **SHAPES, **FAMILIES["olmo2"])
+    path = make_ckpt("olmo2", **{**SHAPES, **FAMILIES["olmo2"]})
     with pytest.raises(ConfigError, match="Olmo2ForCausalLM cannot run with tensor parallelism"):
         LLM(str(path), dtype="float32", tensor_parallel_size=2, show_progress=False)

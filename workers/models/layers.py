@@ -81,6 +81,15 @@ class ColumnLinear(QuantLayer):
             attach_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
+        """Shard `shard` of the stacked sub-projections; with several and no shard, all of them fused
+        in one checkpoint tensor (Phi-3's `qkv_proj`, `gate_up_proj`), each cut to this rank's slice."""
+        if shard is None and len(self.local_sizes) > 1:
+            fulls = [size * self.tp.size for size in self.local_sizes]
+            if loaded.shape[0] != sum(fulls):
+                raise ValueError(f"shape {tuple(loaded.shape)} does not match the fused {sum(fulls)} rows")
+            for index, part in enumerate(loaded.split(fulls)):
+                self.weight_loader(param, part, index)
+            return
         index = 0 if shard is None else shard
         size = self.local_sizes[index]
         offset = sum(self.local_sizes[:index])
@@ -221,7 +230,9 @@ class RMSNorm(OpModule):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# "longrope" with its short factors only: contexts up to `original_max_position_embeddings` (model_config
+# refuses a longer --max-model-len)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
