@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
-from coreproc.base.gguf_file import GRANITE_SCALES
+from coreproc.base.gguf_config import GRANITE_SCALES
 from workers.gguf.weights import NORM_SHIFTED, PERMUTED, TOP, block_names
 
 ARCHS = {

@@ -1,4 +1,4 @@
-"""Reads a GGUF checkpoint: its metadata, its tensor table, and the Hugging Face config it implies.
+"""Reads a GGUF checkpoint: its metadata, its tensor table, and (through gguf_config) the config it implies.
 
 Part of the shared base: the frontend (tokenizer, chat template), `ModelConfig` (architecture, EOS)
 and the workers (weights, `workers.gguf.weights`) all open GGUF files through `GGUFFile`. The file is
@@ -33,39 +33,6 @@ DEFAULT_ALIGNMENT = 32
 # GGUF value types (the `gguf` package's GGUFValueType) -> struct format of a scalar
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
-# GGUF architecture -> (transformers class, model_type); Mistral's files say "llama"
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-    "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
-    "olmo2": ("Olmo2ForCausalLM", "olmo2"),
-    "granite": ("GraniteForCausalLM", "granite"),
-}
-# Granite's multipliers: GGUF key -> config.json key
-GRANITE_SCALES = {
-    "embedding_scale": "embedding_multiplier",
-    "residual_scale": "residual_multiplier",
-    "attention.scale": "attention_multiplier",
-    "logit_scale": "logits_scaling",
-}
-GEMMA3_SWA_PATTERN = 6  # llama.cpp's default: every sixth layer global
-GEMMA3_SWA_THETA = 10000.0  # llama.cpp's default rope base of the sliding layers
-NO_ROPE_STEP = 4  # SmolLM3: every fourth layer without rotary (llama.cpp's n_no_rope_layer_step)
-# `<arch>.<key>` -> config.json key
-HPARAMS = {
-    "context_length": "max_position_embeddings",
-    "block_count": "num_hidden_layers",
-    "feed_forward_length": "intermediate_size",
-    "embedding_length": "hidden_size",
-    "attention.head_count": "num_attention_heads",
-    "attention.head_count_kv": "num_key_value_heads",
-    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
-    "attention.key_length": "head_dim",
-}
-REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count")
-ROPE_SCALING = ("linear", "yarn")
 # the tensor types workers.gguf.dequant reads (tests/workers/test_gguf_dequant.py keeps the two equal)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
@@ -325,92 +292,6 @@ class GGUFFile:
 
     @cached_property
     def _hf_config(self) -> dict[str, Any]:
+        from coreproc.base.gguf_config import hf_config
+
         return hf_config(self.metadata, tuple(self.tensors), str(self.path))
-
-
-def hf_config(meta: dict[str, Any], tensor_names: tuple[str, ...], source: str) -> dict[str, Any]:
-    """config.json keys from GGUF metadata (as transformers 4 and 5 both read them); ConfigError for an
-    architecture or a rope variant Ember cannot run."""
-    arch = str(meta.get("general.architecture", "(none)"))
-    if arch not in ARCHITECTURES:
-        supported = ", ".join(sorted(ARCHITECTURES))
-        raise ConfigError(f"{source}: unsupported GGUF architecture {arch!r}; supported: {supported}")
-    missing = [f"{arch}.{k}" for k in REQUIRED if f"{arch}.{k}" not in meta]
-    if missing:
-        raise ConfigError(f"{source}: GGUF metadata lacks {', '.join(missing)}")
-    cls, model_type = ARCHITECTURES[arch]
-    cfg: dict[str, Any] = {"architectures": [cls], "model_type": model_type}
-    for key, hf_key in HPARAMS.items():
-        if f"{arch}.{key}" in meta:
-            cfg[hf_key] = meta[f"{arch}.{key}"]
-    cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-    cfg.setdefault("max_position_embeddings", 2048)
-    tokens = meta.get("tokenizer.ggml.tokens")
-    vocab = meta.get(f"{arch}.vocab_size", len(tokens) if isinstance(tokens, Sequence) else None)
-    if vocab is None:
-        raise ConfigError(f"{source}: GGUF metadata gives no vocabulary size")
-    cfg["vocab_size"] = vocab
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if rotary != head_dim:
-        raise ConfigError(f"{source}: partial rotary embeddings ({rotary} of {head_dim}) are not supported")
-    if "rope_freqs.weight" in tensor_names:
-        raise ConfigError(f"{source}: per-frequency rope factors (rope_freqs) are not supported")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": meta.get(f"{arch}.rope.freq_base", 10000.0)}
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", *ROPE_SCALING):
-        raise ConfigError(f"{source}: rope scaling {scaling!r} is not supported")
-    if scaling in ROPE_SCALING:
-        rope |= {"rope_type": scaling, "factor": meta[f"{arch}.rope.scaling.factor"]}
-        original = meta.get(f"{arch}.rope.scaling.original_context_length")
-        if original is not None:
-            rope["original_max_position_embeddings"] = original
-    cfg["rope_theta"] = rope["rope_theta"]  # transformers 4 reads this and rope_scaling
-    cfg["rope_parameters"] = rope  # transformers 5 reads this
-    if rope["rope_type"] != "default":
-        cfg["rope_scaling"] = rope
-    cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
-    cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    cfg["hidden_act"] = "silu"
-    cfg["torch_dtype"] = cfg["dtype"] = _stored_dtype(meta)
-    cfg |= _family_config(arch, meta, cfg, rope)
-    return cfg
-
-
-def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: dict) -> dict[str, Any]:
-    """What an architecture beyond Llama's shape adds, as llama.cpp reads its files."""
-    layers = int(cfg["num_hidden_layers"])
-    if arch == "gemma3":
-        pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN))
-        window = meta.get(f"{arch}.attention.sliding_window")
-        kinds = [
-            "sliding_attention" if window and i % pattern < pattern - 1 else "full_attention"
-            for i in range(layers)
-        ]
-        local = {
-            "rope_type": "default",
-            "rope_theta": meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_SWA_THETA),
-        }
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        # llama.cpp scales queries by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)
-        scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else head_dim
-        return {
-            "hidden_activation": "gelu_pytorch_tanh",
-            "layer_types": kinds,
-            "sliding_window": window,
-            "query_pre_attn_scalar": scalar,
-            "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
-            "rope_local_base_freq": local["rope_theta"],  # transformers 4
-            "rope_parameters": {"sliding_attention": local, "full_attention": rope},
-        }
-    if arch == "smollm3":
-        return {"no_rope_layers": [int((i + 1) % NO_ROPE_STEP != 0) for i in range(layers)]}
-    if arch == "granite":
-        return {hf: meta[f"{arch}.{key}"] for key, hf in GRANITE_SCALES.items() if f"{arch}.{key}" in meta}
-    return {}
-
-
-def _stored_dtype(meta: dict[str, Any]) -> str:
-    """The dtype "auto" computes in: the file's float type, bfloat16 for quantized files."""
-    file_type = meta.get("general.file_type")  # llama.cpp's LlamaFileType: 0 all F32, 1 mostly F16, 32 BF16
-    return {0: "float32", 1: "float16", 32: "bfloat16"}.get(file_type, "bfloat16")  # type: ignore[arg-type]
