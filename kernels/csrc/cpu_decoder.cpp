@@ -1,12 +1,13 @@
-// Ember CPU fast path: a whole Llama decoder layer for a batch of decode tokens in one call.
+// Ember CPU fast path: a whole decoder layer for a batch of decode tokens in one call.
 //
 // Built with the other csrc files by kernels/native.py and registered as
 // torch.ops.ember.decoder_layer. A small model's decode step otherwise spends milliseconds in Python
 // around some 25 torch calls per layer; this runs the same native ops (cpu_ops.h) in the same order
-// on the same dtypes as workers/models/llama.py's modules do on the native CPU path, so its results
-// are bit-identical to theirs. workers/models/fused_decode.py decides when a layer qualifies (packed
-// bf16, fp8 or integer-dot linears, with or without bias, no q/k norm, one rank, the native attention
-// ops).
+// on the same dtypes as workers/models/parts.py's modules do on the native CPU path, so its results
+// are bit-identical to theirs: every part those modules compose (norm placements, q/k norms per head
+// or over all heads, rotary or none, SwiGLU or GeGLU, a residual multiplier).
+// workers/models/fused_decode.py decides when a layer qualifies (packed bf16, fp8 or integer-dot
+// linears, with or without bias, one rank, the native attention ops).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -14,6 +15,8 @@
 #include <ATen/ops/clamp.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
@@ -62,36 +65,72 @@ at::Tensor to_cache(const at::Tensor& x, const at::Tensor& cache, const at::Tens
 
 }  // namespace
 
-// x [T, hidden] -> x + attn(norm(x)), then + mlp(norm(.)).
-// norms: input and post-attention norm weights. weights: the segments of qkv, o, gate_up and down in
-// order (`specs` says how many each has and their formats). scales: the fp8 scales of the four linears,
-// biases their biases (an empty tensor where there is none). kv_scales: empty, or [2, Hkv] for an fp8
-// cache.
-// dims: out features of qkv, o, gate_up, down; heads, kv heads, head size, rotary dims, window.
+// The decoder layer's parts (dims[9..11]), as workers/models/parts.py names them.
+constexpr int64_t kNormsPre = 0, kNormsSandwich = 1, kNormsPost = 2;  // where the layer's norms sit
+constexpr int64_t kQkNone = 0, kQkHead = 1, kQkAll = 2;               // q/k norms
+constexpr int64_t kActSilu = 0, kActGeluTanh = 1;                     // the MLP's gate
+
+// x -> x + attention block, then + MLP block, each block with its norms where `placement` puts them:
+// pre: norm(x) -> block; sandwich: norm(x) -> block -> norm; post: block -> norm. Each block's output
+// is times `residual_scale` before the add (when not 1). norms: the layer's norms in the order of
+// DecoderLayer's attributes (input, post-attention[, pre-feedforward, post-feedforward]; post: the
+// post-attention and post-feedforward ones), then the q and k norms when there are. weights: the
+// segments of qkv, o, gate_up and down in order (`specs` says how many each has and their formats).
+// scales: the fp8 scales of the four linears, biases their biases (an empty tensor where there is
+// none). kv_scales: empty, or [2, Hkv] for an fp8 cache. cos/sin: this layer's rotary tables (unread
+// when its rotary dims are 0: no positional encoding). dims: out features of qkv, o, gate_up, down;
+// heads, kv heads, head size, rotary dims, window; norm placement, q/k norm, activation.
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::TensorList norms,
                          at::TensorList weights, at::TensorList scales, at::TensorList biases, at::IntArrayRef specs,
                          at::IntArrayRef dims, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_scales, double scale,
-                         double eps) {
-  TORCH_CHECK(norms.size() == 2 && scales.size() == 4 && biases.size() == 4 && dims.size() == 9,
-              "decoder_layer: 2 norms, 4 scales, 4 biases and 9 dims");
+                         double eps, double residual_scale) {
+  TORCH_CHECK(scales.size() == 4 && biases.size() == 4 && dims.size() == 12,
+              "decoder_layer: 4 scales, 4 biases and 12 dims");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layer: x must be a contiguous [T, hidden]");
   const int64_t T = x.size(0), H = dims[4], Hkv = dims[5], D = dims[6];
+  const int64_t placement = dims[9], qk = dims[10], act = dims[11];
+  const size_t layer_norms = placement == kNormsSandwich ? 4 : 2;
+  TORCH_CHECK(norms.size() == layer_norms + (qk == kQkNone ? 0 : 2), "decoder_layer: norms do not match the parts");
   TORCH_CHECK(dims[0] == (H + 2 * Hkv) * D, "decoder_layer: qkv size does not match the heads");
+  const auto norm = [&](const at::Tensor& t, size_t i) { return rms_norm(t, norms[i], eps); };
+  const auto add = [&](const at::Tensor& base, const at::Tensor& out) {
+    return residual_scale == 1.0 ? at::add(base, out) : at::add(base, at::mul(out, residual_scale));
+  };
   Linears lin{weights, scales, biases, specs};
-  const at::Tensor qkv = lin.apply(rms_norm(x, norms[0], eps), 0);
-  // views into qkv, as the module path's split + reshape
-  const at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
+  const at::Tensor qkv = lin.apply(placement == kNormsPost ? x : norm(x, 0), 0);
+  // views into qkv, as the module path's split + reshape; q/k norms make new tensors, as there
+  at::Tensor q = qkv.narrow(1, 0, H * D).view({T, H, D});
   at::Tensor k = qkv.narrow(1, H * D, Hkv * D).view({T, Hkv, D});
-  at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
-  rotary_(positions, q, k, cos, sin, dims[7]);
+  const at::Tensor v = qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D});
+  if (qk == kQkAll) {
+    q = norm(qkv.narrow(1, 0, H * D), layer_norms).view({T, H, D});
+    k = norm(qkv.narrow(1, H * D, Hkv * D), layer_norms + 1).view({T, Hkv, D});
+  } else if (qk == kQkHead) {
+    q = norm(q.reshape({-1, D}), layer_norms).view({T, H, D});
+    k = norm(k.reshape({-1, D}), layer_norms + 1).view({T, Hkv, D});
+  }
+  if (dims[7] > 0) rotary_(positions, q, k, cos, sin, dims[7]);
   write_kv(to_cache(k, k_cache, kv_scales, 0), to_cache(v, v_cache, kv_scales, 1), k_cache, v_cache, slot_mapping);
   const at::Tensor attn = at::empty({T, H, D}, x.options());
   decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, dims[8], kv_scales, attn);
-  const at::Tensor h = at::add(x, lin.apply(attn.view({T, H * D}), 1));
-  const at::Tensor act = silu_and_mul(lin.apply(rms_norm(h, norms[1], eps), 2));
-  const at::Tensor y = at::add(h, lin.apply(act, 3));
+  at::Tensor o = lin.apply(attn.view({T, H * D}), 1);
+  if (placement != kNormsPre) o = norm(o, placement == kNormsPost ? 0 : 1);
+  const at::Tensor h = add(x, o);
+  const at::Tensor mlp_in = placement == kNormsPost ? h : norm(h, placement == kNormsPre ? 1 : 2);
+  const at::Tensor gate_up = lin.apply(mlp_in, 2);
+  at::Tensor gated;
+  if (act == kActGeluTanh) {
+    const int64_t inter = gate_up.size(1) / 2;
+    gated = at::mul(at::gelu(gate_up.narrow(1, 0, inter), "tanh"), gate_up.narrow(1, inter, inter));
+  } else {
+    TORCH_CHECK(act == kActSilu, "decoder_layer: unknown activation");
+    gated = silu_and_mul(gate_up);
+  }
+  at::Tensor down = lin.apply(gated, 3);
+  if (placement != kNormsPre) down = norm(down, placement == kNormsPost ? 1 : 3);
+  const at::Tensor y = add(h, down);
   TORCH_CHECK(lin.w == weights.size() && lin.s == specs.size(), "decoder_layer: specs do not match the weights");
   return y;
 }
@@ -101,6 +140,6 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
       "decoder_layer(Tensor x, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor[] scales, "
       "Tensor[] biases, int[] specs, int[] dims, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, "
-      "Tensor cos, Tensor sin, Tensor kv_scales, float scale, float eps) -> Tensor",
+      "Tensor cos, Tensor sin, Tensor kv_scales, float scale, float eps, float residual_scale) -> Tensor",
       decoder_layer);
 }

@@ -161,7 +161,12 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
         ("bundled", {}, None, True),
         ("bundled", {}, "fp8_per_tensor", True),  # the native fp8 matmul inside the layer
         ("mistral", {"sliding_window": 6}, None, True),  # the window cuts into prompt and output
-        ("qwen3", {}, None, False),  # q/k norms: the module path
+        ("qwen3", {}, None, True),  # q/k norms per head
+        ("gemma3", {"layers": 6, "sliding_window": 6}, None, True),  # sandwich norms, 1 + w, GeGLU, 2 ropes
+        ("smollm3", {"layers": 4}, None, True),  # a layer without rotary
+        ("olmo2", {}, "int8", True),  # post-norms, q/k norms over all heads
+        ("granite", {}, None, True),  # the residual multiplier (and the others, outside the layers)
+        ("phi3", {"sliding_window": 6}, None, True),  # fused projections, a window on every layer
         ("qwen2", {}, None, True),  # qkv bias
         ("llama", {}, "int8", True),  # the integer-dot matmul inside the layer
         ("llama", {}, "int4", True),
@@ -182,10 +187,10 @@ def test_fused_decoder_layers_equal_the_module_path(
 ) -> None:
     """Decode steps through torch.ops.ember.decoder_layer give bit-identical tokens and logprobs to the
     same engine with the one-call layers switched off (prompts longer than MAX_QUERY, so both prefill
-    on the module path); models with parts off the native path never take them."""
+    on the module path), for every architecture's parts."""
     calls = []
     real_run = fused_decode.run
-    monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[3].shape[0]) or real_run(*a))
+    monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[2].shape[0]) or real_run(*a))
     gguf, kv = kwargs.pop("gguf", None), kwargs.pop("kv", "auto")
     model_dir = default_model_dir() if arch == "bundled" else make_ckpt(arch, dtype="bfloat16", **kwargs)
     if gguf is not None:
@@ -212,7 +217,7 @@ def test_speculative_verification_rows_equal_plain_decode(
     its own, so n-gram speculation gives exactly the tokens and logprobs of plain decoding."""
     sizes = []
     real_run = fused_decode.run
-    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[3].shape[0]) or real_run(*a))
+    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[2].shape[0]) or real_run(*a))
     loop = [1, *[40, 41, 42, 43, 44, 45] * 4]  # repeats: the n-gram proposer finds matches
     prompts = [loop, [1, *range(300, 320)], loop[:18]]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
@@ -233,7 +238,7 @@ def test_short_prompts_prefill_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -
     their first tokens and logprobs match the module path's prefill (SDPA) within bf16 noise."""
     sizes = []
     real_run = fused_decode.run
-    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[3].shape[0]) or real_run(*a))
+    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[2].shape[0]) or real_run(*a))
     prompts = [[1, 17, 5, 9, 33, 2, 8], [1, 4], [1, *range(60, 60 + fused_decode.MAX_QUERY - 1)]]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
     args = {"dtype": "bfloat16", "enable_prefix_caching": False, "show_progress": False}

@@ -1,11 +1,13 @@
 """One native call per decoder layer for CPU decode steps (torch.ops.ember.decoder_layer).
 
 A decode step of a small model on a CPU spends milliseconds of Python around some 25 torch calls per
-layer. Where every piece of a Llama-style layer already runs on the native CPU ops (packed bf16, fp8
+layer. Where every piece of a decoder layer already runs on the native CPU ops (packed bf16, fp8
 or integer-dot linears, GGUF segments included, with or without bias, native norms, rotary and
-activation, the CPU attention backend, one rank, no q/k norm), kernels/csrc/cpu_decoder.cpp runs the
-same ops in the same order in one call, so a decode batch gets bit-identical results to the module
-path (a pipeline stage runs its own layers so, from the hidden states it was given). Short queries
+activation, the CPU attention backend, one rank), kernels/csrc/cpu_decoder.cpp runs the same ops in
+the same order in one call, whatever parts the layer is made of (norms before, around or after its
+blocks, q/k norms, NoPE, SwiGLU or GeGLU, a residual multiplier: workers/models/parts.py), so a
+decode batch gets bit-identical results to the module path (a pipeline stage runs its own layers so,
+from the hidden states it was given). Short queries
 (speculative verification, the draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per
 request) take it too, each token as a decode row of its own: its keys are written before attention
 runs, and it attends to positions 0 .. its own (the same logits a plain decode step at that position
@@ -23,7 +25,7 @@ import torch
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
 from kernels.qgemm import KINDS
-from workers.models.layers import ColumnLinear, PagedAttention, RotaryEmbedding, RowLinear
+from workers.models.layers import ColumnLinear, PagedAttention, RMSNorm, RotaryEmbedding, RowLinear
 from workers.models.llama import LlamaForCausalLM
 from workers.models.ops import NativeCpuOps
 from workers.models.parts import DecoderLayer
@@ -38,7 +40,7 @@ SEG_BF16, SEG_FP8 = -1, -2  # segment kinds of cpu_decoder.cpp besides the qgemm
 class FusedLayer:
     """The per-layer arguments of torch.ops.ember.decoder_layer, gathered once."""
 
-    norms: list[torch.Tensor]
+    norms: list[torch.Tensor]  # the layer's norms in DecoderLayer's order, then the q and k norms
     weights: list[torch.Tensor]  # the segments of qkv, o, gate_up, down
     scales: list[torch.Tensor]  # fp8 linears' scales (an empty tensor elsewhere)
     biases: list[torch.Tensor]  # (an empty tensor where a linear has none)
@@ -47,6 +49,8 @@ class FusedLayer:
     scale: float
     eps: float
     attention: PagedAttention  # read at each call: its fp8 kv_scales are set after this is built
+    rotary: RotaryEmbedding | None  # this layer's tables (None: no positional encoding)
+    residual_scale: float
 
 
 def segments(lin: ColumnLinear | RowLinear) -> list[tuple[torch.Tensor, list[int]]] | None:
@@ -69,20 +73,43 @@ def segments(lin: ColumnLinear | RowLinear) -> list[tuple[torch.Tensor, list[int
     return None
 
 
+PLACEMENTS = {"pre": 0, "sandwich": 1, "post": 2}  # cpu_decoder.cpp's kNorms*
+QK_NORMS = {None: 0, "head": 1, "all": 2}  # kQk*
+ACTS = {"silu": 0, "gelu_tanh": 1}  # kAct*
+
+
+def layer_norms(layer: DecoderLayer) -> list[RMSNorm]:
+    """The layer's norms in the order cpu_decoder.cpp reads them (its q/k norms after)."""
+    names = {
+        "pre": ("input_layernorm", "post_attention_layernorm"),
+        "sandwich": (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ),
+        "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    }[layer.norms]
+    attn = layer.self_attn
+    qk = [attn.q_norm, attn.k_norm] if attn.q_norm is not None and attn.k_norm is not None else []
+    return [getattr(layer, name) for name in names] + qk
+
+
 def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     """The fused op's arguments for one DecoderLayer, or None when part of it is not on the native path."""
     attn, mlp = layer.self_attn, layer.mlp
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    norms = layer_norms(layer)
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     rotary = attn.rotary
-    if rotary is None or not all(isinstance(m.ops, NativeCpuOps) for m in (mlp, rotary, *norms)):
+    ops = (mlp, *norms) if rotary is None else (mlp, rotary, *norms)
+    if not all(isinstance(m.ops, NativeCpuOps) for m in ops):
         return None
     segs = [segments(lin) for lin in linears]
     if any(s is None for s in segs) or any(lin.tp.size != 1 for lin in linears):
         return None
-    if attn.q_norm is not None or not isinstance(attn.attn.backend, CpuBackend) or attn.head_dim % 8:
+    if not isinstance(attn.attn.backend, CpuBackend) or attn.head_dim % 8:
         return None
-    if any(n.weight.dtype != dtype for n in norms) or norms[0].eps != norms[1].eps:
+    if any(n.weight.dtype != dtype for n in norms) or len({n.eps for n in norms}) != 1:
         return None
     weights, specs = [], []
     for lin_segments in segs:
@@ -98,10 +125,11 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     scales = [torch.empty(0) if s is None else s for s in found]
     biases = [torch.empty(0) if lin.bias is None else lin.bias for lin in linears]
     window = attn.attn.sliding_window or 0
-    dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary.rotary_dim, window]
-    norm_weights: list[torch.Tensor] = [norms[0].weight, norms[1].weight]
-    args = (attn.attn.scale, norms[0].eps, attn.attn)
-    return FusedLayer(norm_weights, weights, scales, biases, specs, dims, *args)
+    rotary_dim = 0 if rotary is None else rotary.rotary_dim
+    parts = [PLACEMENTS[layer.norms], QK_NORMS[attn.qk_norm], ACTS[mlp.act]]
+    dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary_dim, window, *parts]
+    args = (attn.attn.scale, norms[0].eps, attn.attn, rotary, layer.residual_scale)
+    return FusedLayer([n.weight for n in norms], weights, scales, biases, specs, dims, *args)
 
 
 MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
@@ -114,7 +142,6 @@ def qualifies(meta: AttentionMetadata, tokens: int) -> bool:
 
 def run(
     plans: list[FusedLayer],
-    rotary: RotaryEmbedding,
     positions: torch.Tensor,
     x: torch.Tensor,
     kv_caches: list[torch.Tensor],
@@ -130,12 +157,12 @@ def run(
         lens = positions[:n] + 1
     slots = meta.slot_mapping[:n]
     layer_op = torch.ops.ember.decoder_layer
-    cos, sin = rotary.cos, rotary.sin
     x = x.contiguous()
-    no_scales = torch.empty(0)
+    empty = torch.empty(0)
     for p, kv in zip(plans, kv_caches, strict=True):
-        kv_scales = no_scales if p.attention.kv_scales is None else p.attention.kv_scales
-        args = (kv[0], kv[1], table, lens, slots, cos, sin, kv_scales, p.scale, p.eps)
+        kv_scales = empty if p.attention.kv_scales is None else p.attention.kv_scales
+        cos, sin = (empty, empty) if p.rotary is None else (p.rotary.cos, p.rotary.sin)
+        args = (kv[0], kv[1], table, lens, slots, cos, sin, kv_scales, p.scale, p.eps, p.residual_scale)
         x = layer_op(x, positions, p.norms, p.weights, p.scales, p.biases, p.specs, p.dims, *args)
     return x
 
@@ -164,20 +191,20 @@ class FusedDecode:
         if not qualifies(meta, input_ids.shape[0]):
             return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
         body = self.model.model
-        rotary = self.model.held_layers()[0].self_attn.rotary
-        assert rotary is not None, "a plain model rotates every layer"
         x = self.model.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        x = run(self.layers, rotary, positions, x, kv_caches, meta)
+        x = run(self.layers, positions, x, kv_caches, meta)
         return body.norm(x) if self.model.pp.is_last else x
 
 
 def plan(model: LlamaForCausalLM) -> FusedDecode | None:
     """The one-call layers of a bf16 model (or pipeline stage) when every layer it holds qualifies, else
     None."""
-    if not model.parts.plain:  # the one-call layer computes Llama's shape only
-        return None
     held = model.held_layers()
-    dtype = model.model.embed_tokens.out_dtype if model.pp.is_first else held[0].input_layernorm.weight.dtype
+    dtype = (
+        model.model.embed_tokens.out_dtype
+        if model.pp.is_first
+        else held[0].post_attention_layernorm.weight.dtype
+    )
     if dtype != torch.bfloat16:
         return None
     plans = [layer_plan(layer, dtype) for layer in held]

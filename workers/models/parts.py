@@ -68,18 +68,6 @@ class DecoderParts:
         if self.qk_norm not in (None, "head", "all"):
             raise ValueError(f"q/k norm {self.qk_norm!r} is not 'head' or 'all'")
 
-    @property
-    def plain(self) -> bool:
-        """Llama's shape: what the one-call decode layer computes (fused_decode.py)."""
-        return (
-            self.norms == "pre"
-            and not self.norm_offset
-            and self.act == "silu"
-            and self.residual_scale == 1.0
-            and len({kind.rope for kind in self.layers}) == 1
-            and self.layers[0].rope is not None
-        )
-
 
 def activation(cfg: Any) -> str:
     """The MLP's gate from the config's `hidden_activation` (Gemma) or `hidden_act`."""
