@@ -1,6 +1,6 @@
 """Build small, deterministic, randomly initialised Hugging Face checkpoints for Ember to load.
 
-``build_checkpoint`` constructs a real transformers model (Llama, Qwen2, Qwen3 or Mistral) from a
+``build_checkpoint`` constructs a real transformers model (each of `ARCHS`: Llama, Gemma 3, ...) from a
 size preset plus overrides, seeds its weights, and saves a complete offline-loadable folder:
 config.json, safetensors weights (sharded on request), generation_config.json and a BPE tokenizer
 trained on the local standard library. The CLI is ``python -m frontend.make_model OUT --arch llama``;
@@ -270,7 +270,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tie-word-embeddings",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="default: tied for qwen2/qwen3, untied for llama/mistral",
+        help=f"default: tied for {', '.join(sorted(TIED_BY_DEFAULT))}, untied for the others",
     )
 
 
