@@ -126,14 +126,17 @@ def make_config(
         kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
     if arch in ("qwen2", "phi3"):
         kwargs.pop("head_dim")  # these always use hidden // heads (Qwen2 has qkv bias by construction)
-    kwargs.update(_family_kwargs(arch, layers, kwargs["rope_parameters"], sliding_window))
+    head = kwargs.get("head_dim") or hidden // heads
+    kwargs.update(_family_kwargs(arch, layers, head, kwargs["rope_parameters"], sliding_window))
     config = getattr(transformers, ARCHS[arch][0])(**kwargs)
     config.architectures = [ARCHS[arch][1]]
     config.dtype = dtype
     return config
 
 
-def _family_kwargs(arch: str, layers: int, rope: dict, sliding_window: int | None) -> dict[str, Any]:
+def _family_kwargs(
+    arch: str, layers: int, head_dim: int, rope: dict, sliding_window: int | None
+) -> dict[str, Any]:
     """The config fields of the architectures beyond Llama's shape."""
     if arch == "gemma3":
         kinds = [
@@ -143,7 +146,7 @@ def _family_kwargs(arch: str, layers: int, rope: dict, sliding_window: int | Non
         return dict(
             layer_types=kinds,
             sliding_window=sliding_window or 512,
-            query_pre_attn_scalar=24,  # not head_dim: an engine scaling by 1/sqrt(head_dim) is caught
+            query_pre_attn_scalar=head_dim,  # as Gemma 3's 1B-12B (and what llama.cpp derives)
             rope_parameters={"sliding_attention": local, "full_attention": rope},
         )
     if arch == "smollm3" and sliding_window is not None:

@@ -46,7 +46,10 @@ BLOCK = {
 
 # the norms after attention and MLP, and Gemma's before the MLP (where Llama's `ffn_norm` is its
 # `post_attention_layernorm`)
-POST_NORMS = {"attn_post_norm": "post_attention_layernorm", "ffn_post_norm": "post_feedforward_layernorm"}
+POST_NORMS = {
+    "post_attention_norm": "post_attention_layernorm",  # llama.cpp's ATTN_POST_NORM
+    "post_ffw_norm": "post_feedforward_layernorm",  # FFN_POST_NORM
+}
 BLOCKS = {
     "gemma3": BLOCK | POST_NORMS | {"ffn_norm": "pre_feedforward_layernorm"},
     "olmo2": {k: v for k, v in BLOCK.items() if k not in ("attn_norm", "ffn_norm")} | POST_NORMS,
