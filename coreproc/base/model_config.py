@@ -138,6 +138,10 @@ class ModelConfig:
                 f"unsupported architecture {archs or '(none given)'} in {cfg_file}; "
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
+        if arch == "Gemma3ForCausalLM" and (
+            hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping")
+        ):
+            raise ConfigError(f"{cfg_file}: Gemma3ForCausalLM with logit soft-capping is not supported yet")
         one_of(dtype, DTYPES, "dtype", option="dtype")
         image_token_id = None
         if arch in MULTIMODAL_ARCHITECTURES:

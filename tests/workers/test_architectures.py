@@ -163,6 +163,13 @@ def test_phi3_longrope_runs_its_short_factors_within_its_trained_context(make_ck
         LLM(str(path), dtype="float32", max_model_len=512, show_progress=False)
 
 
+def test_gemma3_with_soft_capping_is_refused_in_one_line(make_ckpt) -> None:
+    config = {"final_logit_softcapping": 30.0}
+    path = make_ckpt("gemma3", **{**SHAPES, **FAMILIES["gemma3"], "extra_config": config})
+    with pytest.raises(ConfigError, match="Gemma3ForCausalLM with logit soft-capping is not supported yet"):
+        LLM(str(path), dtype="float32", show_progress=False)
+
+
 def test_olmo2_with_tensor_parallelism_is_refused_in_one_line(make_ckpt) -> None:
     path = make_ckpt("olmo2", **{**SHAPES, **FAMILIES["olmo2"]})
     with pytest.raises(ConfigError, match="Olmo2ForCausalLM cannot run with tensor parallelism"):
