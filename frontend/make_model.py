@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from coreproc.base.errors import ConfigError
+from coreproc.base.gguf_config import GEMMA3_SWA_PATTERN, GEMMA3_SWA_THETA, swa_layer_types
 from frontend.tokenizer_train import save_hf_tokenizer, special_token_ids, train_tokenizer
 
 ARCHS: dict[str, tuple[str, str]] = {
@@ -47,14 +48,12 @@ ROPE_THETA = {
     "qwen2": 1000000.0,
     "qwen3": 1000000.0,
     "mistral": 1000000.0,
-    "gemma3": 1000000.0,  # the global layers'; the sliding ones use GEMMA3_LOCAL_THETA
+    "gemma3": 1000000.0,  # the global layers'; the sliding ones use llama.cpp's GEMMA3_SWA_THETA
     "smollm3": 2000000.0,
     "olmo2": 500000.0,
     "granite": 10000000.0,
     "phi3": 250000.0,
 }
-GEMMA3_LOCAL_THETA = 10000.0
-GEMMA3_PATTERN = 6  # every sixth layer global, the others sliding (Gemma 3's 5:1)
 # Granite 3's multipliers (2B): far from 1, so an engine that skips one is caught by comparisons
 GRANITE_MULTIPLIERS = dict(
     embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0
@@ -139,12 +138,9 @@ def _family_kwargs(
 ) -> dict[str, Any]:
     """The config fields of the architectures beyond Llama's shape."""
     if arch == "gemma3":
-        kinds = [
-            "full_attention" if (i + 1) % GEMMA3_PATTERN == 0 else "sliding_attention" for i in range(layers)
-        ]
-        local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}
+        local = {"rope_type": "default", "rope_theta": GEMMA3_SWA_THETA}
         return dict(
-            layer_types=kinds,
+            layer_types=swa_layer_types(layers, GEMMA3_SWA_PATTERN),
             sliding_window=sliding_window or 512,
             query_pre_attn_scalar=head_dim,  # as Gemma 3's 1B-12B (and what llama.cpp derives)
             rope_parameters={"sliding_attention": local, "full_attention": rope},

@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
-from coreproc.base.gguf_config import GRANITE_SCALES
+from coreproc.base.gguf_config import GEMMA3_SWA_THETA, GRANITE_SCALES, no_rope_layers, swa_layer_types
 from workers.gguf.weights import NORM_SHIFTED, PERMUTED, TOP, block_names
 
 ARCHS = {
@@ -99,20 +99,15 @@ def _family_metadata(writer: GGUFWriter, arch: str, cfg: dict, head_dim: int) ->
         if "sliding_attention" in kinds:
             writer.add_sliding_window(cfg["sliding_window"])
             pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else len(kinds) + 1
-            expect = [
-                "sliding_attention" if i % pattern < pattern - 1 else "full_attention"
-                for i in range(len(kinds))
-            ]
-            if kinds != expect:
+            if kinds != swa_layer_types(len(kinds), pattern):
                 raise ValueError("Gemma 3's layer_types must repeat one pattern (k sliding, then one global)")
             writer.add_uint32(f"{arch}.attention.sliding_window_pattern", pattern)
         local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {})
-        writer.add_float32(f"{arch}.rope.freq_base_swa", float(local.get("rope_theta", 10000.0)))
+        writer.add_float32(f"{arch}.rope.freq_base_swa", float(local.get("rope_theta", GEMMA3_SWA_THETA)))
         if cfg.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
     if arch == "smollm3":
-        layers = cfg["num_hidden_layers"]
-        if cfg.get("no_rope_layers") != [int((i + 1) % 4 != 0) for i in range(layers)]:
+        if cfg.get("no_rope_layers") != no_rope_layers(cfg["num_hidden_layers"]):
             raise ValueError("llama.cpp's SmolLM3 has no rotary on every fourth layer, exactly")
     if arch == "granite":
         for key, hf in GRANITE_SCALES.items():

@@ -98,16 +98,24 @@ def hf_config(meta: dict[str, Any], tensor_names: tuple[str, ...], source: str) 
     return cfg
 
 
+def swa_layer_types(layers: int, pattern: int) -> list[str]:
+    """llama.cpp's sliding-window pattern as transformers' `layer_types`: in each run of `pattern`
+    layers the last is global, the others slide (Gemma 3's 5:1 is pattern 6)."""
+    return ["sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(layers)]
+
+
+def no_rope_layers(layers: int) -> list[int]:
+    """SmolLM3's `no_rope_layers` as llama.cpp fixes them: 0 (no rotary) on every NO_ROPE_STEP-th layer."""
+    return [int((i + 1) % NO_ROPE_STEP != 0) for i in range(layers)]
+
+
 def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: dict) -> dict[str, Any]:
     """What an architecture beyond Llama's shape adds, as llama.cpp reads its files."""
     layers = int(cfg["num_hidden_layers"])
     if arch == "gemma3":
         pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN))
         window = meta.get(f"{arch}.attention.sliding_window")
-        kinds = [
-            "sliding_attention" if window and i % pattern < pattern - 1 else "full_attention"
-            for i in range(layers)
-        ]
+        kinds = swa_layer_types(layers, pattern) if window else ["full_attention"] * layers
         local = {
             "rope_type": "default",
             "rope_theta": meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_SWA_THETA),
@@ -125,7 +133,7 @@ def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: d
             "rope_parameters": {"sliding_attention": local, "full_attention": rope},
         }
     if arch == "smollm3":
-        return {"no_rope_layers": [int((i + 1) % NO_ROPE_STEP != 0) for i in range(layers)]}
+        return {"no_rope_layers": no_rope_layers(layers)}
     if arch == "granite":
         return {hf: meta[f"{arch}.{key}"] for key, hf in GRANITE_SCALES.items() if f"{arch}.{key}" in meta}
     return {}

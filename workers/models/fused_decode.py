@@ -25,7 +25,7 @@ import torch
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
 from kernels.qgemm import KINDS
-from workers.models.layers import ColumnLinear, PagedAttention, RMSNorm, RotaryEmbedding, RowLinear
+from workers.models.layers import ColumnLinear, PagedAttention, RotaryEmbedding, RowLinear
 from workers.models.llama import LlamaForCausalLM
 from workers.models.ops import NativeCpuOps
 from workers.models.parts import DecoderLayer
@@ -78,27 +78,10 @@ QK_NORMS = {None: 0, "head": 1, "all": 2}  # kQk*
 ACTS = {"silu": 0, "gelu_tanh": 1}  # kAct*
 
 
-def layer_norms(layer: DecoderLayer) -> list[RMSNorm]:
-    """The layer's norms in the order cpu_decoder.cpp reads them (its q/k norms after)."""
-    names = {
-        "pre": ("input_layernorm", "post_attention_layernorm"),
-        "sandwich": (
-            "input_layernorm",
-            "post_attention_layernorm",
-            "pre_feedforward_layernorm",
-            "post_feedforward_layernorm",
-        ),
-        "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
-    }[layer.norms]
-    attn = layer.self_attn
-    qk = [attn.q_norm, attn.k_norm] if attn.q_norm is not None and attn.k_norm is not None else []
-    return [getattr(layer, name) for name in names] + qk
-
-
 def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     """The fused op's arguments for one DecoderLayer, or None when part of it is not on the native path."""
     attn, mlp = layer.self_attn, layer.mlp
-    norms = layer_norms(layer)
+    norms = layer.norm_modules()
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     rotary = attn.rotary
     ops = (mlp, *norms) if rotary is None else (mlp, rotary, *norms)

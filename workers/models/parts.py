@@ -28,13 +28,27 @@ from workers.models.layers import (
     RotaryEmbedding,
     RowLinear,
     attach_weight_loader,
+    default_weight_loader,
 )
 from workers.models.ops import OpModule
 from workers.parallel import TPGroup
 from workers.quant.base import QuantMethod
 
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}  # config's name -> the MLP's gate
-NORM_PLACEMENTS = ("pre", "sandwich", "post")
+# where each placement puts the layer's norms, in DecoderLayer's attribute names and in the order the
+# one-call decode layer reads them (Llama's "post_attention_layernorm" is the MLP's pre-norm; Gemma's
+# and OLMo 2's follow attention)
+LAYER_NORMS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+NORM_PLACEMENTS = tuple(LAYER_NORMS)
 
 
 @dataclass(frozen=True)
@@ -83,9 +97,7 @@ def norm(size: int, eps: float, parts: DecoderParts) -> RMSNorm:
     if parts.norm_offset:
 
         def offset_loader(param: torch.Tensor, loaded: torch.Tensor, shard: Any = None) -> None:
-            if param.shape != loaded.shape:
-                raise ValueError(f"shape {tuple(loaded.shape)} does not match expected {tuple(param.shape)}")
-            param.data.copy_(loaded.float() + 1.0)
+            default_weight_loader(param, loaded.float() + 1.0)
 
         attach_weight_loader(layer.weight, offset_loader)
     return layer
@@ -167,6 +179,12 @@ class DecoderLayer(nn.Module):
     """Attention then MLP, each in a residual block with its norms where the parts place them:
     `pre` norm(x) -> block; `sandwich` norm(x) -> block -> norm; `post` block -> norm."""
 
+    # those of LAYER_NORMS[placement] exist
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    pre_feedforward_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
+
     def __init__(
         self,
         cfg: Any,
@@ -180,15 +198,14 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(cfg, tp, parts.act, quant)
         self.norms = parts.norms
         self.residual_scale = parts.residual_scale
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        if parts.norms != "post":
-            self.input_layernorm = norm(h, eps, parts)
-        # Llama's "post_attention_layernorm" is the MLP's pre-norm; Gemma's and OLMo 2's follow attention
-        self.post_attention_layernorm = norm(h, eps, parts)
-        if parts.norms == "sandwich":
-            self.pre_feedforward_layernorm = norm(h, eps, parts)
-        if parts.norms != "pre":
-            self.post_feedforward_layernorm = norm(h, eps, parts)
+        for name in LAYER_NORMS[parts.norms]:
+            setattr(self, name, norm(cfg.hidden_size, cfg.rms_norm_eps, parts))
+
+    def norm_modules(self) -> list[RMSNorm]:
+        """The layer's norms in LAYER_NORMS order, then its attention's q and k norms when it has them."""
+        attn = self.self_attn
+        qk = [attn.q_norm, attn.k_norm] if attn.q_norm is not None and attn.k_norm is not None else []
+        return [getattr(self, name) for name in LAYER_NORMS[self.norms]] + qk
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
