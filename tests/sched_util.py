@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from coreproc.base.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from coreproc.base.errors import QueueFull
+from coreproc.base.kv_layout import KVGroup, KVLayout
 from coreproc.base.protocol import (
     EngineRequest,
     RunnerOutput,
@@ -102,13 +103,17 @@ def check_invariants(sched: Scheduler, out) -> None:
         assert out.num_scheduled_tokens[rid] == 1 + len(spec)
     kv = sched.kv
     refs: dict[int, int] = {}
-    for rid, blocks in kv.req_blocks.items():
+    for rid, groups in kv.req_blocks.items():
         req = sched.requests[rid]
         assert req.status == RequestStatus.RUNNING, f"{req} holds blocks while not running"
-        assert len(blocks) * kv.block_size >= req.num_computed_tokens
-        for b in blocks:
-            refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for blocks in groups:
+            assert len(blocks) * kv.block_size >= req.num_computed_tokens
+            for b in blocks:
+                if b is not kv.null:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
     for block in kv.pool.blocks:
+        if block is kv.null:
+            continue
         assert block.ref_cnt == refs.get(block.block_id, 0), f"{block} refcount drifted"
         assert (block.ref_cnt == 0) == (block.block_id in kv.pool.free)
     for req in sched.requests.values():
@@ -160,6 +165,12 @@ class Controls:
     prefix: bool = True
     spec_k: int = 0  # speculative decoding with this many proposals (0: off)
     spec_method: str = "ngram"  # or "draft_model": proposals come with each step's output
+    layout: KVLayout | None = None  # KV groups (None: one full group); blocks scale with the groups
+
+
+# KV layouts of the scheduler tests: every layer sliding (Mistral), and Gemma-like mixed groups
+SLIDING = KVLayout((KVGroup(8, (0,)),))
+MIXED = KVLayout((KVGroup(8, (0,)), KVGroup(None, (1,)), KVGroup(5, (2,)), KVGroup(8, (3,))))
 
 
 @dataclass
@@ -191,7 +202,8 @@ def run_workload(reqs, controls: Controls, seed: int, overlap: bool = False) -> 
         spec_k=c.spec_k,
         spec_method=c.spec_method,
     )
-    sched = Scheduler(cfg, c.num_blocks)
+    groups = 1 if c.layout is None else len(c.layout.groups)
+    sched = Scheduler(cfg, c.num_blocks * groups + 1, c.layout)  # (+1: the null block)
     family = {f: [rng.randrange(2, VOCAB) for _ in range(12)] * 2 for f in (0, 1)}  # repeats: n-gram hits
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     finished: set[str] = set()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from coreproc.base.kv_layout import KVLayout
 from coreproc.base.logits_processors import LogitsProcessor, Row
 from coreproc.base.protocol import LoRARef, RunnerOutput, SamplingParams, SchedulerOutput, TokenLogprobs
 from kernels import AttentionMetadata
@@ -40,7 +41,7 @@ class RequestState:
     prompt_ids: list[int]
     output_ids: list[int]
     params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # its block table per KV group
     num_computed_tokens: int = 0
     eos_ids: list[int] = field(default_factory=list)
     draft: DraftState = field(default_factory=DraftState)  # what the draft model's KV holds
@@ -108,6 +109,7 @@ class RunnerParts:
     # False on pipeline stages before the last: they run their layers and hand the hidden states on
     # (in `forward`); the scheduler tells them the tokens the last stage sampled
     samples: bool = True
+    layout: KVLayout | None = None  # the model's KV groups (None: one group of every layer)
 
 
 class ModelRunner:
@@ -131,6 +133,9 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        layout = parts.layout
+        self.layer_group = () if layout is None or len(layout.groups) == 1 else layout.layer_groups()
+        self.draft_group = 0 if layout is None else layout.full_group() or 0
         self.structured = parts.structured
         self.sampler = Sampler(device, parts.seed, parts.processors, parts.structured)
         self.requests: dict[str, RequestState] = {}
@@ -146,7 +151,7 @@ class ModelRunner:
                 prompt_ids=list(new.prompt_token_ids),
                 output_ids=list(new.output_token_ids),
                 params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                block_ids=[list(ids) for ids in new.block_ids],
                 num_computed_tokens=new.num_computed_tokens,
                 eos_ids=list(new.eos_token_ids),
                 images=RequestImages(list(new.mm_items)) if new.mm_items else None,
@@ -154,7 +159,8 @@ class ModelRunner:
             )
         for cached in out.cached_requests:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                table.extend(ids)
             state.num_computed_tokens = cached.num_computed_tokens
             if not self.samples:
                 state.output_ids.extend(cached.new_token_ids)
@@ -198,8 +204,9 @@ class ModelRunner:
             start = end - q
             input_ids.extend(s.token(i, spec) for i in range(start, end))
             positions.extend(range(start, end))
-        meta = AttentionMetadata.build(
-            q_lens, seq_lens, [s.block_ids for s in states], self.block_size, self.device
+        tables = [[s.block_ids[g] for s in states] for g in range(len(states[0].block_ids))]
+        meta = AttentionMetadata.build_grouped(
+            q_lens, seq_lens, tables, self.layer_group, self.block_size, self.device
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
@@ -268,7 +275,7 @@ class ModelRunner:
         jobs = []
         for i in sample_rows:
             s, k = batch.states[i], lengths.get(batch.req_ids[i], self.draft.k)
-            jobs.append(DraftJob(s.token, s.num_tokens, s.block_ids, s.draft, k))
+            jobs.append(DraftJob(s.token, s.num_tokens, s.block_ids[self.draft_group], s.draft, k))
         proposals = self.draft.propose(jobs)
         output.spec_token_ids = {batch.req_ids[i]: p for i, p in zip(sample_rows, proposals) if p}
         output.draft_seconds = time.perf_counter() - drafting

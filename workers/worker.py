@@ -21,6 +21,7 @@ import torch
 
 from coreproc.base import trace
 from coreproc.base.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
+from coreproc.base.kv_layout import KVLayout, plan_layout
 from coreproc.base.logits_processors import LogitsProcessor, ProcessorContext, engine_specs, load_processors
 from coreproc.base.protocol import RunnerOutput, SchedulerOutput, WorkerReady
 from kernels import select_backend
@@ -64,10 +65,33 @@ def available_memory(device: torch.device) -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device) -> int:
-    """Number of KV blocks: fixed, from a byte budget, or from a fraction of free memory."""
+def kv_layout(model: LlamaForCausalLM, config: EngineConfig, with_draft: bool) -> KVLayout:
+    """The model's KV groups (coreproc/base/kv_layout.py) by its layers' sliding windows. One full
+    group, whose blocks stay for the whole request, when `--no-release-window-blocks` asks, or with a
+    draft model (which reads every position on the tables of a full group) and no full layer."""
+    layers = model.parts.layers
+    layout = plan_layout([kind.window for kind in layers], config.model.max_model_len)
+    if not config.cache.release_window_blocks or (with_draft and layout.full_group() is None):
+        return KVLayout.full(len(layers))
+    return layout
+
+
+def held_slots(model: LlamaForCausalLM, layout: KVLayout) -> list[int]:
+    """The KV tensors the layers this stage holds use."""
+    slots = layout.layer_slots()
+    return sorted({slots[i] for i in model.held})
+
+
+def plan_kv_blocks(
+    config: EngineConfig, bytes_per_block: int, device: torch.device, layout: KVLayout
+) -> int:
+    """Number of KV blocks: fixed, from a byte budget, or from a fraction of free memory; never fewer
+    than one sequence of max_model_len holds at once (with the null block of sliding groups)."""
     cache = config.cache
-    useful = config.scheduler.max_num_seqs * config.max_blocks_per_seq
+    chunk = min(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
+    per_seq = layout.seq_blocks(config.model.max_model_len, cache.block_size, chunk)
+    per_seq += 1 if layout.slides else 0
+    useful = config.scheduler.max_num_seqs * per_seq
     if cache.num_kv_blocks is not None:
         blocks = cache.num_kv_blocks
     elif cache.kv_cache_memory is not None:
@@ -79,11 +103,10 @@ def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.dev
             fraction /= config.parallel.workers_per_host
         # never reserve more than every sequence at full length could use
         blocks = min(int(available_memory(device) * fraction) // bytes_per_block, useful)
-    if blocks < config.max_blocks_per_seq:
+    if blocks < per_seq:
         raise ConfigError(
-            f"the KV cache holds {blocks} blocks ({blocks * cache.block_size} tokens), fewer than one "
-            f"sequence of max_model_len {config.model.max_model_len} needs; "
-            "give it more memory or lower max_model_len"
+            f"the KV cache holds {blocks} blocks, fewer than the {per_seq} one sequence of "
+            f"max_model_len {config.model.max_model_len} needs; give it more memory or lower max_model_len"
         )
     return blocks
 
@@ -169,11 +192,12 @@ class Worker:
 
             lora = LoRAManager(weights.model, self.config.lora, self.tp, self.device, self.dtype)
         draft_forward = self.pick_kernels(draft) if draft is not None else None
-        memory = self.measure_memory(weights.model, draft)
-        num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device)
+        layout = kv_layout(weights.model, self.config, draft is not None)
+        memory = self.measure_memory(weights.model, draft, layout)
+        num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device, layout)
         start = time.perf_counter()
         with trace.phase("allocate the KV cache"):
-            kv_caches = self.allocate_kv_cache(weights.model, len(weights.model.held), num_blocks)
+            kv_caches = self.allocate_kv_cache(weights.model, num_blocks, layout)
             self.calibrate(weights.model, kv_caches)
         self._log_start_up(weights, memory, num_blocks, time.perf_counter() - start)
         with trace.phase("logits processors"):
@@ -197,6 +221,7 @@ class Worker:
             encoder_cache=images,
             lora=lora,
             samples=self.pp.is_last,
+            layout=layout,
         )
         self.runner = ModelRunner(weights.model, kv_caches, block_size, self.device, parts)
         return WorkerReady(
@@ -210,6 +235,7 @@ class Worker:
             device=str(self.device),
             weight_source=weights.source,
             cache_fallback_reason=weights.cache_fallback_reason,
+            kv_layout=layout,
         )
 
     def load_weights(self, show_progress: bool, cache_only: bool = False) -> LoadedWeights:
@@ -286,14 +312,17 @@ class Worker:
             return StageForward(model, self.pp, self.dtype)
         return select_forward(model)
 
-    def measure_memory(self, model: LlamaForCausalLM, draft: LlamaForCausalLM | None) -> MemoryUsage:
-        """Weight bytes by dtype (a draft's count with the target's) and KV bytes per block; the draft's
-        KV shares the target's block table, so one block budgets both."""
+    def measure_memory(
+        self, model: LlamaForCausalLM, draft: LlamaForCausalLM | None, layout: KVLayout
+    ) -> MemoryUsage:
+        """Weight bytes by dtype (a draft's count with the target's) and KV bytes per block: a page of
+        each KV tensor the held layers use (a group's worth of layers); the draft's KV shares the
+        target's block table, so one block budgets both."""
         by_dtype: dict[str, int] = {}
         for p in itertools.chain(model.parameters(), draft.parameters() if draft is not None else ()):
             key = str(p.dtype).removeprefix("torch.")
             by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
-        per_block = self._kv_bytes_per_block(model, len(model.held))
+        per_block = self._kv_bytes_per_block(model, len(held_slots(model, layout)))
         if draft is not None:
             per_block += self._kv_bytes_per_block(draft, self._draft_config()[1].num_layers)
         return MemoryUsage(by_dtype, per_block)
@@ -304,18 +333,25 @@ class Worker:
         return per_token * self.config.cache.block_size
 
     def allocate_kv_cache(
-        self, model: LlamaForCausalLM, num_layers: int, num_blocks: int
+        self, model: LlamaForCausalLM, num_blocks: int, layout: KVLayout
     ) -> list[torch.Tensor]:
-        """KV tensors per layer; uninitialised on purpose: the kernels mask every slot beyond a sequence,
-        and untouched host pages are never committed, so a large budget costs nothing until used,
-        unless `kv_cache_prefault` asks for every page now (zeroing writes each one)."""
+        """The KV tensor of each held layer, layers in the same place of different KV groups sharing
+        one; uninitialised on purpose: the kernels mask every slot beyond a sequence, and untouched
+        host pages are never committed, so a large budget costs nothing until used, unless
+        `kv_cache_prefault` asks for every page now (zeroing writes each one). The null block that
+        stands in sliding groups' tables for blocks given back is zeroed: a masked key must not be NaN."""
         attn = model.held_layers()[0].self_attn
         shape = (2, num_blocks, self.config.cache.block_size, attn.num_kv_heads, attn.head_dim)
-        caches = [torch.empty(shape, dtype=self.kv_dtype, device=self.device) for _ in range(num_layers)]
-        if self.config.cache.kv_cache_prefault and self.device.type == "cpu":
-            for cache in caches:
+        tensors = {
+            j: torch.empty(shape, dtype=self.kv_dtype, device=self.device) for j in held_slots(model, layout)
+        }
+        for cache in tensors.values():
+            if self.config.cache.kv_cache_prefault and self.device.type == "cpu":
                 cache.zero_()
-        return caches
+            elif layout.slides:
+                cache[:, 0].zero_()
+        slots = layout.layer_slots()
+        return [tensors[slots[i]] for i in model.held]
 
     def calibrate(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> None:
         """The per-kv-head scales of an fp8 cache (workers/kv_scales.py); nothing for other dtypes."""
@@ -358,7 +394,7 @@ class Worker:
         """The draft model with its own KV cache (the target's block count), on the target's block tables."""
         cfg = self.config
         spec, draft_cfg = self._draft_config()
-        kv_caches = self.allocate_kv_cache(draft, draft_cfg.num_layers, num_blocks)
+        kv_caches = self.allocate_kv_cache(draft, num_blocks, KVLayout.full(draft_cfg.num_layers))
         self.calibrate(draft, kv_caches)
         k = spec.num_speculative_tokens
         bs, max_len = cfg.cache.block_size, cfg.model.max_model_len

@@ -60,6 +60,11 @@ class CacheConfig:
         False,
     )
     enable_prefix_caching: bool = option("reuse the KV blocks of shared prompt prefixes", True)
+    release_window_blocks: bool = option(
+        "sliding-window layers give back the KV blocks that fall behind their window while a request "
+        "runs (a block table per group of layers); --no-release-window-blocks keeps every block",
+        True,
+    )
     prefix_hash_seed: int | None = option(
         "prefix-cache hash seed (default: random per launch)", None, flag="--prefix-cache-seed"
     )

@@ -20,6 +20,7 @@ import msgspec
 
 from coreproc.base.errors import InvalidParam as InvalidParam  # kept here too: the SDK's import path
 from coreproc.base.errors import QueueFull as QueueFull
+from coreproc.base.kv_layout import KVLayout
 
 # ----------------------------------------------------------------------------- codes
 
@@ -247,7 +248,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # its block table per KV group (coreproc/base/kv_layout.py)
     num_computed_tokens: int
     output_token_ids: list[int] = []
     eos_token_ids: list[int] = []
@@ -260,7 +261,7 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     the tokens sampled since it last ran, which only the last stage saw)."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV group
     num_computed_tokens: int
     new_token_ids: list[int] = []
 
@@ -330,6 +331,7 @@ class WorkerReady(msgspec.Struct, kw_only=True):
     quantize_seconds: float = 0.0
     weight_source: str = "disk"  # or "ipc_cache"
     cache_fallback_reason: str = ""  # why the cache was not used, when it was asked for
+    kv_layout: KVLayout | None = None  # the model's KV groups (None: one group of every layer)
 
 
 # ----------------------------------------------------------------------------- core -> frontend

@@ -60,7 +60,7 @@ class EngineCore:
                 raise
         self.executor = executor
         num_blocks = min(r.num_kv_blocks for r in self.executor.ready)
-        self.scheduler = Scheduler(config, num_blocks)
+        self.scheduler = Scheduler(config, num_blocks, self.executor.ready[0].kv_layout)
         self._idle_steps = 0
         self._in_flight: SchedulerOutput | None = None  # the submitted step (sync and overlapped)
         self._upcoming: SchedulerOutput | None = None  # overlapped: the next step, planned meanwhile

@@ -22,6 +22,7 @@ import time
 
 from coreproc.base.config import EngineConfig
 from coreproc.base.errors import InvalidParam
+from coreproc.base.kv_layout import KVLayout
 from coreproc.base.logits_processors import ProcessorContext, engine_specs, load_processors
 from coreproc.base.protocol import (
     CachedRequestData,
@@ -46,7 +47,7 @@ from coreproc.core.waiting import WaitingQueue, validate
 class Scheduler:
     """Owns requests, the waiting queue, the running list and the KV block manager."""
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, layout: KVLayout | None = None) -> None:
         self.config = config
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
@@ -61,6 +62,7 @@ class Scheduler:
             config.cache.block_size,
             config.cache.enable_prefix_caching,
             config.cache.prefix_hash_seed,
+            layout,
         )
         ctx = ProcessorContext(config.model.vocab_size, config.model.max_model_len)
         self.processors = load_processors(engine_specs(config.logits_processors), ctx)
@@ -162,14 +164,7 @@ class Scheduler:
             req.in_workers = False
         self.waiting.add(req)
 
-    def _schedule_spec(
-        self,
-        req: Request,
-        budget: int,
-        scheduled: dict[str, int],
-        new_blocks: dict[str, list[int]],
-        spec_tokens: dict[str, list[int]],
-    ) -> int:
+    def _schedule_spec(self, req: Request, budget: int, plan: StepPlan) -> int:
         """Add a decoding request's proposed tokens to its step if budget, length limits and blocks
         allow (never past max_tokens or max_model_len); returns the tokens added."""
         params = req.sampling_params
@@ -184,21 +179,23 @@ class Scheduler:
             extra = self.kv.allocate_slots(req, 1 + k)
         if extra is None:
             return 0
-        spec_tokens[req.request_id] = req.spec_token_ids[:k]
-        scheduled[req.request_id] += k
-        new_blocks[req.request_id] += extra
+        plan.spec_tokens[req.request_id] = req.spec_token_ids[:k]
+        plan.scheduled[req.request_id] += k
+        plan.add_blocks(req.request_id, extra)
         return k
 
     def _samples(self, req: Request, n: int) -> bool:
         """Whether computing `n` more tokens (proposals excluded) reaches the request's end."""
         return req.num_computed_tokens + n >= req.num_tokens + req.num_output_placeholders
 
-    def _reserve_lookahead(self, req: Request, n: int) -> list[int]:
+    def _reserve_lookahead(self, req: Request, n: int, plan: StepPlan) -> None:
         """Slots for the draft's proposals if this step samples the request (best effort: without
         them the draft proposes fewer tokens)."""
         if not self._samples(req, n):
-            return []  # a prefill chunk that samples nothing
-        return self.kv.allocate_slots(req, n + self.lookahead) or []
+            return  # a prefill chunk that samples nothing
+        ids = self.kv.allocate_slots(req, n + self.lookahead)
+        if ids is not None:
+            plan.add_blocks(req.request_id, ids)
 
     def _prefill_share(self) -> int | None:
         waiting = min(len(self.waiting), max(0, self.max_running - len(self.running)))
@@ -255,15 +252,13 @@ class Scheduler:
             if ids is None:
                 continue
             plan.scheduled[req.request_id] = n
-            plan.new_blocks[req.request_id] = ids
+            plan.add_blocks(req.request_id, ids)
             plan.budget -= n
             i += 1
             if req.spec_token_ids and n == 1:
-                plan.budget -= self._schedule_spec(
-                    req, plan.budget, plan.scheduled, plan.new_blocks, plan.spec_tokens
-                )
+                plan.budget -= self._schedule_spec(req, plan.budget, plan)
             elif self.lookahead:
-                plan.new_blocks[req.request_id] += self._reserve_lookahead(req, n)
+                self._reserve_lookahead(req, n, plan)
 
     def _admit_waiting(self, plan: StepPlan) -> None:
         """Waiting requests, in the queue's order, while the budget, the running limit, the KV cache
@@ -294,7 +289,7 @@ class Scheduler:
             plan.scheduled[req.request_id] = n
             plan.budget -= n
             if self.lookahead:
-                self._reserve_lookahead(req, n)
+                self._reserve_lookahead(req, n, plan)
 
     def _emit(self, plan: StepPlan) -> SchedulerOutput:
         """The step's `SchedulerOutput`: a new request whole, one the workers hold as its new blocks

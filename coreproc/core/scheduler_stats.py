@@ -85,7 +85,7 @@ def describe(sched: Scheduling, limit: int = 8) -> dict:
     """The scheduler's state for a stall report: counts, free blocks and the first requests."""
 
     def brief(req: Request) -> str:
-        blocks = len(sched.kv.req_blocks.get(req.request_id, []))
+        blocks = sum(sched.kv.held_blocks(req))
         return f"{req.request_id}:{req.status.name}:{req.num_computed_tokens}/{req.num_tokens}:b{blocks}"
 
     return {

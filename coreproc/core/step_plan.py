@@ -22,9 +22,15 @@ class StepPlan:
     share: int | None
     most: int
     scheduled: dict[str, int] = field(default_factory=dict)
-    new_blocks: dict[str, list[int]] = field(default_factory=dict)
+    new_blocks: dict[str, list[list[int]]] = field(default_factory=dict)  # per request and KV group
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     preempted: bool = False
+
+    def add_blocks(self, request_id: str, ids: list[list[int]]) -> None:
+        """Blocks `request_id` gained in this step, per KV group, after those it gained before."""
+        have = self.new_blocks.setdefault(request_id, [[] for _ in ids])
+        for mine, more in zip(have, ids):
+            mine.extend(more)
 
     def drop(self, request_id: str) -> None:
         """Undo a request scheduled earlier in this step (it was preempted): its tokens back."""

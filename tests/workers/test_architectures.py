@@ -17,6 +17,7 @@ Run: `pytest -q tests/workers/test_architectures.py`.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -78,9 +79,18 @@ def test_float32_greedy_equals_transformers_batched_and_alone(family, reference,
     check_outputs_equal(alone, [r[0] for r in ref[:3]])
 
 
+def kv_bytes(path: Path, blocks: int, block_size: int) -> int:
+    """The float32 KV memory of `blocks` blocks of every layer of the checkpoint at `path`."""
+    cfg = json.loads((path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    return blocks * block_size * per_token
+
+
 FEATURES = {
     "prefix-cache": dict(enable_prefix_caching=True),  # run twice: the second run hits the cache
-    "preempting": dict(block_size=8, max_model_len=128, num_kv_blocks=20, max_num_batched_tokens=64),
+    # as much memory as 20 blocks of every layer: the sliding layers' blocks come and go
+    "preempting": dict(block_size=8, max_model_len=128, kv_cache_memory=20, max_num_batched_tokens=64),
     "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
     "tp2": dict(tensor_parallel_size=2),
     "pp2": dict(pipeline_parallel_size=2),
@@ -95,7 +105,10 @@ def test_engine_features_keep_transformers_tokens(family, reference, feature: st
     if arch == "olmo2" and feature == "tp2":
         pytest.skip("OLMo 2 with tensor parallelism is refused (test below)")
     prompts, ref = reference
-    with LLM(str(path), dtype="float32", show_progress=False, **FEATURES[feature]) as llm:
+    setup = dict(FEATURES[feature])
+    if "kv_cache_memory" in setup:
+        setup["kv_cache_memory"] = kv_bytes(path, setup["kv_cache_memory"], setup["block_size"])
+    with LLM(str(path), dtype="float32", show_progress=False, **setup) as llm:
         runs = [greedy(llm, prompts)[0] for _ in range(2 if feature == "prefix-cache" else 1)]
         hits = llm.stats().prefix_cache_hits if feature == "prefix-cache" else None
     for tokens in runs:

@@ -233,7 +233,7 @@ def test_pipelined_schedule_keeps_micro_batches_disjoint(seed):
         if not sched.has_unfinished_requests() and not in_flight:
             break
         busy = {rid for out, _ in in_flight for rid in out.num_scheduled_tokens}
-        blocks = {rid: list(b) for rid, b in sched.kv.req_blocks.items() if rid in busy}
+        blocks = {rid: [list(g) for g in b] for rid, b in sched.kv.req_blocks.items() if rid in busy}
         active = len(sched.running) + len(sched.waiting)
         out = sched.schedule()
         check_invariants(sched, out)

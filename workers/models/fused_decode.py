@@ -51,6 +51,7 @@ class FusedLayer:
     attention: PagedAttention  # read at each call: its fp8 kv_scales are set after this is built
     rotary: RotaryEmbedding | None  # this layer's tables (None: no positional encoding)
     residual_scale: float
+    index: int = 0  # the layer's place in the model (its KV group's view of the metadata)
 
 
 def segments(lin: ColumnLinear | RowLinear) -> list[tuple[torch.Tensor, list[int]]] | None:
@@ -78,7 +79,7 @@ QK_NORMS = {None: 0, "head": 1, "all": 2}  # kQk*
 ACTS = {"silu": 0, "gelu_tanh": 1}  # kAct*
 
 
-def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
+def layer_plan(layer: DecoderLayer, dtype: torch.dtype, index: int = 0) -> FusedLayer | None:
     """The fused op's arguments for one DecoderLayer, or None when part of it is not on the native path."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = layer.norm_modules()
@@ -112,7 +113,7 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype) -> FusedLayer | None:
     parts = [PLACEMENTS[layer.norms], QK_NORMS[attn.qk_norm], ACTS[mlp.act]]
     dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary_dim, window, *parts]
     args = (attn.attn.scale, norms[0].eps, attn.attn, rotary, layer.residual_scale)
-    return FusedLayer([n.weight for n in norms], weights, scales, biases, specs, dims, *args)
+    return FusedLayer([n.weight for n in norms], weights, scales, biases, specs, dims, *args, index)
 
 
 MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
@@ -121,6 +122,16 @@ MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token d
 def qualifies(meta: AttentionMetadata, tokens: int) -> bool:
     """No padding rows, and no request with more than MAX_QUERY new tokens."""
     return meta.num_actual_tokens == tokens and meta.max_query_len <= MAX_QUERY
+
+
+def _rows(meta: AttentionMetadata, positions: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """Per token row: its block table, the keys it sees and its cache slot, in `meta`'s KV group."""
+    if meta.num_decode_tokens == n:
+        return meta.block_tables[:n], meta.seq_lens[:n], meta.slot_mapping[:n]
+    # a decode row per token: its request's block table, the keys up to its own position
+    query_lens = meta.query_start_loc.diff()
+    table = meta.block_tables[: len(query_lens)].repeat_interleave(query_lens, dim=0)
+    return table, positions[:n] + 1, meta.slot_mapping[:n]
 
 
 def run(
@@ -132,17 +143,15 @@ def run(
 ) -> torch.Tensor:
     """The decoder layers over a qualifying batch x [T, hidden]; returns the last layer's output."""
     n = meta.num_actual_tokens
-    if meta.num_decode_tokens == n:
-        table, lens = meta.block_tables[:n], meta.seq_lens[:n]
-    else:  # a decode row per token: its request's block table, the keys up to its own position
-        query_lens = meta.query_start_loc.diff()
-        table = meta.block_tables[: len(query_lens)].repeat_interleave(query_lens, dim=0)
-        lens = positions[:n] + 1
-    slots = meta.slot_mapping[:n]
+    rows: dict[int, tuple[torch.Tensor, ...]] = {}  # by KV group view
     layer_op = torch.ops.ember.decoder_layer
     x = x.contiguous()
     empty = torch.empty(0)
     for p, kv in zip(plans, kv_caches, strict=True):
+        view = meta.for_layer(p.index)
+        if id(view) not in rows:
+            rows[id(view)] = _rows(view, positions, n)
+        table, lens, slots = rows[id(view)]
         kv_scales = empty if p.attention.kv_scales is None else p.attention.kv_scales
         cos, sin = (empty, empty) if p.rotary is None else (p.rotary.cos, p.rotary.sin)
         args = (kv[0], kv[1], table, lens, slots, cos, sin, kv_scales, p.scale, p.eps, p.residual_scale)
@@ -190,7 +199,7 @@ def plan(model: LlamaForCausalLM) -> FusedDecode | None:
     )
     if dtype != torch.bfloat16:
         return None
-    plans = [layer_plan(layer, dtype) for layer in held]
+    plans = [layer_plan(layer, dtype, i) for i, layer in zip(model.held, held, strict=True)]
     qualified = [p for p in plans if p is not None]
     return FusedDecode(model, qualified) if len(qualified) == len(plans) else None
 

@@ -176,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         layers = self.model.layers
         for i, kv_cache in zip(self.held, kv_caches, strict=True):
-            x = layers[i](positions, x, kv_cache, meta)
+            x = layers[i](positions, x, kv_cache, meta.for_layer(i))
         return self.model.norm(x) if self.pp.is_last else x
 
     def held_layers(self) -> list[DecoderLayer]:

@@ -94,7 +94,7 @@ def test_tenants_with_different_salts_never_share_blocks():
     sched.add_request(request("t1-a", cache_salt="t1", max_tokens=4))
     sched.add_request(request("t2-a", cache_salt="t2", max_tokens=4))
     step(sched)
-    a, b = (set(sched.kv.block_ids(sched.requests[r])) for r in ("t1-a", "t2-a"))
+    a, b = (set(sched.kv.block_ids(sched.requests[r])[0]) for r in ("t1-a", "t2-a"))
     assert not a & b, "two tenants share KV blocks"
     run_to_end(sched)
     for rid, salt, hit in (("t2-b", "t2", 16), ("t1-b", "t1", 16), ("none", None, 0), ("t3", "t3", 0)):

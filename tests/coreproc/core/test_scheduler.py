@@ -19,6 +19,8 @@ from coreproc.base.protocol import EngineRequest, RunnerOutput, SamplingParams, 
 from coreproc.core.scheduler import Scheduler
 from tests.sched_util import (
     EOS,
+    MIXED,
+    SLIDING,
     VOCAB,
     Controls,
     StuckExecutor,
@@ -55,6 +57,7 @@ def controls_strategy(draw) -> Controls:
         prefix=draw(st.booleans()),
         spec_k=draw(st.sampled_from([0, 0, 2, 4])),
         spec_method=draw(st.sampled_from(["ngram", "draft_model"])),
+        layout=draw(st.sampled_from([None, None, SLIDING, MIXED])),
     )
 
 
