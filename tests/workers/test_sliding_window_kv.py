@@ -104,9 +104,9 @@ def test_same_memory_decodes_more_long_requests(model: Path) -> None:
     most, tokens = {}, {}
     for release in (True, False):
         core = engine(model, kv_cache_memory=memory, release_window_blocks=release)
-        seen = [0]
+        seen: list[int] = [0]
         try:
-            tokens[release] = run(core, batch, lambda c: seen.append(len(decoding(c))))
+            tokens[release] = run(core, batch, lambda c, seen=seen: seen.append(len(decoding(c))))
         finally:
             core.shutdown()
         most[release] = max(seen)
