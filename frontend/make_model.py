@@ -23,6 +23,7 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
@@ -41,13 +42,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     }.items()
 }
 DTYPES = ("float32", "bfloat16", "float16")  # torch is imported only when a model is built
-TIED_BY_DEFAULT = frozenset({"qwen2", "qwen3", "gemma3", "smollm3", "granite"})  # as their small releases
+TIED_BY_DEFAULT = frozenset(
+    {"qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite"}
+)  # as their small releases
 # Realistic, non-10000 thetas so an engine that hard-codes the RoPE base is caught by comparisons.
 ROPE_THETA = {
     "llama": 500000.0,
     "qwen2": 1000000.0,
     "qwen3": 1000000.0,
     "mistral": 1000000.0,
+    "gemma2": 10000.0,  # as every Gemma 2
     "gemma3": 1000000.0,  # the global layers'; the sliding ones use llama.cpp's GEMMA3_SWA_THETA
     "smollm3": 2000000.0,
     "olmo2": 500000.0,
@@ -144,6 +148,14 @@ def _family_kwargs(
             sliding_window=sliding_window or 512,
             query_pre_attn_scalar=head_dim,  # as Gemma 3's 1B-12B (and what llama.cpp derives)
             rope_parameters={"sliding_attention": local, "full_attention": rope},
+        )
+    if arch == "gemma2":  # Gemma 2's soft caps, the sliding layers every other one
+        return dict(
+            layer_types=swa_layer_types(layers, 2),
+            sliding_window=sliding_window or 512,
+            query_pre_attn_scalar=head_dim,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
         )
     if arch == "smollm3" and sliding_window is not None:
         return dict(use_sliding_window=True, sliding_window=sliding_window)

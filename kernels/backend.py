@@ -46,9 +46,11 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None,
         kv_scales: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> out [T, H, D]; also writes k/v into the cache. kv_scales
-        [2, Hkv]: the per-kv-head scales of an fp8 cache (kernels/torch_ops.py)."""
+        [2, Hkv]: the per-kv-head scales of an fp8 cache (kernels/torch_ops.py); softcap: the scores'
+        soft cap (softcap * tanh(score / softcap); 0: none)."""
 
 
 class PagedAttentionBackend(AttentionBackend):
@@ -76,13 +78,16 @@ class PagedAttentionBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         kv_scales: torch.Tensor | None = None,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """See `AttentionBackend.forward`; rows past num_actual_tokens (padding) come back as zeros."""
         n_act, nd = meta.num_actual_tokens, meta.num_decode_tokens
         keys = quantize_kv(k[:n_act], k_cache.dtype, kv_scales, 0)
         values = quantize_kv(v[:n_act], v_cache.dtype, kv_scales, 1)
         self.write_kv_op(keys, values, k_cache, v_cache, meta.slot_mapping[:n_act])
-        extra = {} if kv_scales is None else {"kv_scales": kv_scales}
+        extra: dict = {} if kv_scales is None else {"kv_scales": kv_scales}
+        if softcap:
+            extra["softcap"] = softcap
         out = torch.empty_like(q)
         if out.shape[0] > n_act:
             out[n_act:].zero_()

@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import kv_operands, load_kv_tile
-
-_LOG2E = 1.4426950408889634
+from kernels.kv_write import LOG2E, kv_operands, load_kv_tile, scores_exp2
 
 
 @triton.jit
@@ -34,6 +32,7 @@ def _decode_kernel(
     part_out_ptr,
     part_lse_ptr,
     qk_scale,
+    softcap,
     window,
     block_size,
     stride_qb,
@@ -54,6 +53,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -92,7 +92,7 @@ def _decode_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k_ptrs = k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
         k = load_kv_tile(k_ptrs + dims[None, :], kv_mask, k_scale_ptr, kv_head, q, KV_FP8, DOT_FP32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = scores_exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -169,6 +169,7 @@ def decode_attention_triton(
     *,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float = 0.0,
     num_splits: int = 1,
 ) -> torch.Tensor:
     """Triton version of `decode_attention_torch`; `num_splits` > 1 enables split-K over the context."""
@@ -199,7 +200,8 @@ def decode_attention_triton(
         scales[1],
         part_out,
         part_lse,
-        scale * _LOG2E,
+        scale * LOG2E,
+        softcap,
         sliding_window or 0,
         block_size,
         q.stride(0),
@@ -220,6 +222,7 @@ def decode_attention_triton(
         BLOCK_N=64,
         NUM_SPLITS=num_splits,
         USE_WINDOW=sliding_window is not None,
+        SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The CPU interpreter (Triton 3.9) multiplies bf16 bit patterns as integers in tl.dot.
         DOT_FP32=q.device.type == "cpu",

@@ -7,7 +7,7 @@ slot_mapping[t] = block_id * block_size + offset; negative slots are padding and
 This module is `write_kv_triton`, the Triton kernel; the reference `write_kv_torch` and the native
 op `write_kv_cpu` are in kernels/torch_ops.py. An fp8 cache gets keys and values already quantized
 (`quantize_kv`) and copied as bytes. `load_kv_tile` is how the Triton attention kernels read a tile
-back (fp8 widened and scaled).
+back (fp8 widened and scaled), `scores_exp2` how they scale (and soft-cap) a tile's scores.
 """
 
 from __future__ import annotations
@@ -75,6 +75,20 @@ def load_kv_tile(ptrs, mask, scale_ptr, kv_head, like, KV_FP8: tl.constexpr, DOT
     elif DOT_FP32:
         x = x.to(tl.float32)
     return x
+
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def scores_exp2(dots, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    # A tile's scores in log2 units for exp2: dots * scale * log2(e), where qk_scale = scale * log2(e);
+    # with SOFTCAP, softcap * tanh(dots * scale / softcap) * log2(e) first (tanh(x) = 2 sigmoid(2x) - 1,
+    # the same on every device).
+    if SOFTCAP:
+        capped = 2.0 * tl.sigmoid(dots * (2.0 * qk_scale / (softcap * 1.4426950408889634))) - 1.0
+        return capped * (softcap * 1.4426950408889634)
+    return dots * qk_scale
 
 
 def kv_operands(

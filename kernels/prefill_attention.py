@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_write import kv_operands, load_kv_tile
-
-_LOG2E = 1.4426950408889634
+from kernels.kv_write import LOG2E, kv_operands, load_kv_tile, scores_exp2
 
 
 @triton.jit
@@ -33,6 +31,7 @@ def _prefill_kernel(
     k_scale_ptr,
     v_scale_ptr,
     qk_scale,
+    softcap,
     window,
     block_size,
     stride_qt,
@@ -52,6 +51,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -95,7 +95,7 @@ def _prefill_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         k_ptrs = k_cache_ptr + blk[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
         k = load_kv_tile(k_ptrs + dims[None, :], kv_mask, k_scale_ptr, kv_head, q, KV_FP8, DOT_FP32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = scores_exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), qk_scale, softcap, SOFTCAP)
         visible = (pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
         if USE_WINDOW:
             visible &= (q_pos[:, None] - pos[None, :]) < window
@@ -129,6 +129,7 @@ def prefill_attention_triton(
     *,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Triton version of `prefill_attention_torch` (same contract; the host lists size the grid)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -155,7 +156,8 @@ def prefill_attention_triton(
         result,
         scales[0],
         scales[1],
-        scale * _LOG2E,
+        scale * LOG2E,
+        softcap,
         sliding_window or 0,
         block_size,
         q.stride(0),
@@ -175,6 +177,7 @@ def prefill_attention_triton(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=64,
         USE_WINDOW=sliding_window is not None,
+        SOFTCAP=softcap > 0,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # The CPU interpreter (Triton 3.9) multiplies bf16 bit patterns as integers in tl.dot.
         DOT_FP32=q.device.type == "cpu",

@@ -33,6 +33,31 @@ def _widen(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return x.float() if scale is None else x.float() * scale[:, None]
 
 
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Attention of q [..., H, L, D] over keys / values [..., Hkv, S, D] (float32), `mask` [..., L, S]
+    (True: visible; None: causal, L == S). With `softcap` > 0 each score is first capped to
+    softcap * tanh(score / softcap) (Gemma 2's logit soft-capping), which SDPA cannot do."""
+    gqa = q.shape[-3] != keys.shape[-3]
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+    if gqa:
+        keys = keys.repeat_interleave(q.shape[-3] // keys.shape[-3], dim=-3)
+        values = values.repeat_interleave(q.shape[-3] // values.shape[-3], dim=-3)
+    scores = torch.tanh(q @ keys.transpose(-1, -2) * (scale / softcap)) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ values
+
+
 def _split(kv_scales: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return (None, None) if kv_scales is None else (kv_scales[0], kv_scales[1])
 
@@ -79,8 +104,10 @@ def decode_attention_torch(
     *,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Reference: gather each request's blocks (padded to the longest), mask, and run SDPA."""
+    """Reference: gather each request's blocks (padded to the longest), mask, and attend (`softcap`:
+    the scores' soft cap, 0 for none)."""
     num_reqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     result = torch.empty_like(q) if out is None else out
@@ -101,14 +128,7 @@ def decode_attention_torch(
     # Stale slots may hold anything (even NaN): zero them, since a masked score times NaN is NaN.
     keys = keys.masked_fill(~visible[:, None, :, None], 0.0)
     values = values.masked_fill(~visible[:, None, :, None], 0.0)
-    attn = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :],
-        keys,
-        values,
-        attn_mask=visible[:, None, None, :],
-        scale=scale,
-        enable_gqa=num_heads != num_kv_heads,
-    )
+    attn = attend(q.float()[:, :, None, :], keys, values, visible[:, None, None, :], scale, softcap)
     result.copy_(attn[:, :, 0, :])
     return result
 
@@ -124,17 +144,18 @@ def decode_attention_cpu(
     *,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The native CPU op (kernels/csrc/cpu_attention.cpp): reads each block in place, no gather.
     Head sizes that are not a multiple of 8 take the torch reference."""
     if q.shape[-1] % 8:
         args = (q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
-        return decode_attention_torch(*args, out=out, kv_scales=kv_scales)
+        return decode_attention_torch(*args, out=out, kv_scales=kv_scales, softcap=softcap)
     result = torch.empty_like(q) if out is None else out
     window = 0 if sliding_window is None else int(sliding_window)
     scales = torch.empty(0) if kv_scales is None else kv_scales.float()
     torch.ops.ember.decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, window, scales, result
+        q, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap, scales, result
     )
     return result
 
@@ -153,8 +174,9 @@ def prefill_attention_torch(
     *,
     out: torch.Tensor | None = None,
     kv_scales: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Reference: per-request loop, gather the request's keys/values, run SDPA with a causal mask."""
+    """Reference: per-request loop, gather the request's keys/values, attend under a causal mask."""
     _, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     result = torch.empty_like(q) if out is None else out
@@ -175,14 +197,13 @@ def prefill_attention_torch(
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= q_pos - k_pos < sliding_window
-        attn = F.scaled_dot_product_attention(
+        attn = attend(
             q[start:end].transpose(0, 1).float(),
             keys.transpose(0, 1),
             values.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
+            mask,
+            scale,
+            softcap,
         )
         result[start:end] = attn.transpose(0, 1)
     return result

@@ -30,6 +30,7 @@ ARCHS = {
     "mistral": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "gemma2": "gemma2",
     "gemma3_text": "gemma3",
     "smollm3": "smollm3",
     "olmo2": "olmo2",
@@ -90,22 +91,25 @@ def _tokenizer_metadata(writer: GGUFWriter, model_dir: Path) -> None:
 def _family_metadata(writer: GGUFWriter, arch: str, cfg: dict, head_dim: int) -> None:
     """The keys llama.cpp reads for the families beyond Llama's shape; ValueError for a config that
     llama.cpp would run differently (it derives what it does not read)."""
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         if cfg.get("query_pre_attn_scalar", head_dim) != head_dim:  # llama.cpp derives the scale
             raise ValueError(
-                "llama.cpp scales Gemma 3's queries by head_dim ** -0.5: set query_pre_attn_scalar"
+                "llama.cpp scales Gemma's queries by head_dim ** -0.5: set query_pre_attn_scalar"
             )
         kinds = cfg.get("layer_types") or []
         if "sliding_attention" in kinds:
             writer.add_sliding_window(cfg["sliding_window"])
             pattern = kinds.index("full_attention") + 1 if "full_attention" in kinds else len(kinds) + 1
             if kinds != swa_layer_types(len(kinds), pattern):
-                raise ValueError("Gemma 3's layer_types must repeat one pattern (k sliding, then one global)")
+                raise ValueError("Gemma's layer_types must repeat one pattern (k sliding, then one global)")
             writer.add_uint32(f"{arch}.attention.sliding_window_pattern", pattern)
-        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {})
-        writer.add_float32(f"{arch}.rope.freq_base_swa", float(local.get("rope_theta", GEMMA3_SWA_THETA)))
+        if cfg.get("attn_logit_softcapping"):
+            writer.add_attn_logit_softcapping(float(cfg["attn_logit_softcapping"]))
         if cfg.get("final_logit_softcapping"):
             writer.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+    if arch == "gemma3":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {})
+        writer.add_float32(f"{arch}.rope.freq_base_swa", float(local.get("rope_theta", GEMMA3_SWA_THETA)))
     if arch == "smollm3":
         if cfg.get("no_rope_layers") != no_rope_layers(cfg["num_hidden_layers"]):
             raise ValueError("llama.cpp's SmolLM3 has no rotary on every fourth layer, exactly")

@@ -82,9 +82,7 @@ def held_slots(model: LlamaForCausalLM, layout: KVLayout) -> list[int]:
     return sorted({slots[i] for i in model.held})
 
 
-def plan_kv_blocks(
-    config: EngineConfig, bytes_per_block: int, device: torch.device, layout: KVLayout
-) -> int:
+def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device, layout: KVLayout) -> int:
     """Number of KV blocks: fixed, from a byte budget, or from a fraction of free memory; never fewer
     than one sequence of max_model_len holds at once (with the null block of sliding groups)."""
     cache = config.cache

@@ -2,7 +2,8 @@
 
 Part of the shared base, beside the file reader (coreproc.base.gguf_file): `GGUFFile.hf_config` calls
 `hf_config` once per file. Per architecture what llama.cpp reads (or derives) for it: the
-hyperparameters and rope under llama.cpp's keys, Gemma 3's window, layer pattern and local rope base,
+hyperparameters and rope under llama.cpp's keys, Gemma's windows, layer patterns, soft caps and
+Gemma 3's local rope base,
 SmolLM3's NoPE step, Granite's scales. A GGUF architecture or rope variant Ember cannot run is a
 ConfigError naming the file.
 """
@@ -19,6 +20,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
@@ -31,6 +33,9 @@ GRANITE_SCALES = {
     "attention.scale": "attention_multiplier",
     "logit_scale": "logits_scaling",
 }
+GEMMA2_SWA_PATTERN = 2  # llama.cpp's: every other layer global
+GEMMA2_WINDOW = 4096  # llama.cpp's default window of Gemma 2
+GEMMA2_SOFTCAPS = (50.0, 30.0)  # llama.cpp's defaults of Gemma 2's attention and final soft caps
 GEMMA3_SWA_PATTERN = 6  # llama.cpp's default: every sixth layer global
 GEMMA3_SWA_THETA = 10000.0  # llama.cpp's default rope base of the sliding layers
 NO_ROPE_STEP = 4  # SmolLM3: every fourth layer without rotary (llama.cpp's n_no_rope_layer_step)
@@ -112,22 +117,18 @@ def no_rope_layers(layers: int) -> list[int]:
 def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: dict) -> dict[str, Any]:
     """What an architecture beyond Llama's shape adds, as llama.cpp reads its files."""
     layers = int(cfg["num_hidden_layers"])
+    if arch == "gemma2":
+        gemma = _gemma(arch, meta, cfg, GEMMA2_SWA_PATTERN, GEMMA2_WINDOW, big_layers=46)
+        for kind, default in zip(("attn", "final"), GEMMA2_SOFTCAPS, strict=True):
+            gemma[f"{kind}_logit_softcapping"] = meta.get(f"{arch}.{kind}_logit_softcapping", default)
+        return gemma
     if arch == "gemma3":
-        pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN))
-        window = meta.get(f"{arch}.attention.sliding_window")
-        kinds = swa_layer_types(layers, pattern) if window else ["full_attention"] * layers
+        gemma = _gemma(arch, meta, cfg, GEMMA3_SWA_PATTERN, None, big_layers=62)
         local = {
             "rope_type": "default",
             "rope_theta": meta.get(f"{arch}.rope.freq_base_swa", GEMMA3_SWA_THETA),
         }
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        # llama.cpp scales queries by head_dim ** -0.5 (hidden / heads for the 62-layer 27B)
-        scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else head_dim
-        return {
-            "hidden_activation": "gelu_pytorch_tanh",
-            "layer_types": kinds,
-            "sliding_window": window,
-            "query_pre_attn_scalar": scalar,
+        return gemma | {
             "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping"),
             "rope_local_base_freq": local["rope_theta"],  # transformers 4
             "rope_parameters": {"sliding_attention": local, "full_attention": rope},
@@ -137,6 +138,24 @@ def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: d
     if arch == "granite":
         return {hf: meta[f"{arch}.{key}"] for key, hf in GRANITE_SCALES.items() if f"{arch}.{key}" in meta}
     return {}
+
+
+def _gemma(
+    arch: str, meta: dict[str, Any], cfg: dict[str, Any], pattern: int, window: int | None, big_layers: int
+) -> dict[str, Any]:
+    """What Gemma 2 and 3 share as llama.cpp reads them: GeGLU, the sliding pattern and window, and
+    queries scaled by head_dim ** -0.5 (hidden / heads for the 27B, of `big_layers` layers)."""
+    layers = int(cfg["num_hidden_layers"])
+    pattern = int(meta.get(f"{arch}.attention.sliding_window_pattern", pattern))
+    window = meta.get(f"{arch}.attention.sliding_window", window)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == big_layers else head_dim
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": swa_layer_types(layers, pattern) if window else ["full_attention"] * layers,
+        "sliding_window": window,
+        "query_pre_attn_scalar": scalar,
+    }
 
 
 def _stored_dtype(meta: dict[str, Any]) -> str:

@@ -78,7 +78,7 @@ def plan_layout(windows: Sequence[int | None], max_model_len: int) -> KVLayout:
     for i, w in enumerate(windows):
         kinds.setdefault(None if w is None or w >= max_model_len else int(w), []).append(i)
     if len(kinds) == 1:
-        (window, layers), = kinds.items()
+        ((window, layers),) = kinds.items()
         return KVLayout((KVGroup(window, tuple(layers)),))
     size = min(len(layers) for layers in kinds.values())
     groups = [

@@ -28,6 +28,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 # model (in workers.models, which imports torch: named, not imported). The config accepts these names,
 # workers.models.resolve imports the class, the preload zygote imports the modules ahead.
 ARCHITECTURES: dict[str, str] = {
+    "Gemma2ForCausalLM": "workers.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
     "GraniteForCausalLM": "workers.models.granite:GraniteForCausalLM",
     "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
@@ -138,10 +139,6 @@ class ModelConfig:
                 f"unsupported architecture {archs or '(none given)'} in {cfg_file}; "
                 f"supported: {', '.join(sorted(ARCHITECTURES))}"
             )
-        if arch == "Gemma3ForCausalLM" and (
-            hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping")
-        ):
-            raise ConfigError(f"{cfg_file}: Gemma3ForCausalLM with logit soft-capping is not supported yet")
         one_of(dtype, DTYPES, "dtype", option="dtype")
         image_token_id = None
         if arch in MULTIMODAL_ARCHITECTURES:

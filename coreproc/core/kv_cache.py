@@ -249,7 +249,8 @@ class KVCacheManager:
         self.pool.touch(b for blocks in hit for b in blocks if b is not self.null)
         added = []
         for g in range(count):
-            new = hit[g] + [self.null] * nulls[g] + self.pool.take(fresh[g])  # type: ignore[list-item]
+            filler = [] if self.null is None else [self.null] * nulls[g]
+            new = hit[g] + filler + self.pool.take(fresh[g])
             groups[g].extend(new)
             added.append([b.block_id for b in new])
         if self.enable_caching:

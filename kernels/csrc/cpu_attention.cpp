@@ -5,7 +5,8 @@
 // in kernels/decode_attention.py and workers/models/layers.py (RMSNorm): float32 math, keys
 // 0 .. seq_len - 1 (the last `window` of them when window > 0), GQA head h -> kv head h / (H / Hkv).
 // An fp8 (e4m3) cache holds k / k_scale[h] and v / v_scale[h]: the key scale is folded into the score
-// scale and the value scale applied to each head's output.
+// scale and the value scale applied to each head's output. softcap > 0 caps each scaled score to
+// softcap * tanh(score / softcap) before the softmax (Gemma 2's attention logit soft-capping).
 // Work is split over (request, kv head) pairs on torch's OpenMP pool; each pair reads its keys and
 // values once, a tile at a time, for all the query heads that share them (decode_pair).
 
@@ -104,10 +105,12 @@ __attribute__((noinline)) void values_tile(const float* p, const T* const* rows,
 
 template <typename T, int GB>
 void tile_heads(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int64_t n, float* s,
-                float scale, float* m, float* l, float* acc) {
+                float scale, float softcap, float* m, float* l, float* acc) {
   scores_tile<T, GB>(q, D, krows, n, s, scale);
   for (int g = 0; g < GB; ++g) {  // online softmax: rescale what the earlier tiles left
     float* sg = s + g * kTile;
+    if (softcap > 0.0f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = softcap * std::tanh(sg[i] / softcap);
     const float m_new = std::max(m[g], *std::max_element(sg, sg + n));
     const float alpha = std::exp(m[g] - m_new);
     l[g] = l[g] * alpha + exp_shift_sum(sg, n, m_new);
@@ -120,16 +123,16 @@ void tile_heads(const float* q, int64_t D, const T* const* krows, const T* const
 
 template <typename T>
 void tile_group(int64_t gb, const float* q, int64_t D, const T* const* krows, const T* const* vrows, int64_t n,
-                float* s, float scale, float* m, float* l, float* acc) {
+                float* s, float scale, float softcap, float* m, float* l, float* acc) {
   switch (gb) {
-    case 1: return tile_heads<T, 1>(q, D, krows, vrows, n, s, scale, m, l, acc);
-    case 2: return tile_heads<T, 2>(q, D, krows, vrows, n, s, scale, m, l, acc);
-    case 3: return tile_heads<T, 3>(q, D, krows, vrows, n, s, scale, m, l, acc);
-    case 4: return tile_heads<T, 4>(q, D, krows, vrows, n, s, scale, m, l, acc);
-    case 5: return tile_heads<T, 5>(q, D, krows, vrows, n, s, scale, m, l, acc);
-    case 6: return tile_heads<T, 6>(q, D, krows, vrows, n, s, scale, m, l, acc);
-    case 7: return tile_heads<T, 7>(q, D, krows, vrows, n, s, scale, m, l, acc);
-    default: return tile_heads<T, 8>(q, D, krows, vrows, n, s, scale, m, l, acc);
+    case 1: return tile_heads<T, 1>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    case 2: return tile_heads<T, 2>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    case 3: return tile_heads<T, 3>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    case 4: return tile_heads<T, 4>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    case 5: return tile_heads<T, 5>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    case 6: return tile_heads<T, 6>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    case 7: return tile_heads<T, 7>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    default: return tile_heads<T, 8>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
   }
 }
 
@@ -141,7 +144,7 @@ void tile_group(int64_t gb, const float* q, int64_t D, const T* const* krows, co
 template <typename T>
 void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
                  int64_t window, int64_t bs, int64_t G, int64_t D, const int64_t* ks, const int64_t* vs,
-                 float scale, float v_scale, float* out) {
+                 float scale, float softcap, float v_scale, float* out) {
   const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   const T* krows[2][kTile];
@@ -160,7 +163,7 @@ void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table,
     if (p0 + kTile < len) fetch(p0 + kTile, static_cast<int>(slot ^ 1));
     for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup)
       tile_group<T>(std::min<int64_t>(kMaxGroup, G - g0), q + g0 * D, D, krows[slot], vrows[slot], n, s, scale,
-                    m.data() + g0, l.data() + g0, out + g0 * D);
+                    softcap, m.data() + g0, l.data() + g0, out + g0 * D);
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = v_scale / l[g];
@@ -175,7 +178,7 @@ void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table,
 // any float dtype).
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                      int64_t window, const at::Tensor& kv_scales, const at::Tensor& out) {
+                      int64_t window, double softcap, const at::Tensor& kv_scales, const at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: bad shapes");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "decode_attention: k/v dtypes differ");
@@ -220,7 +223,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t offset = h * G * D + b * H * D;
         decode_pair<scalar_t>(qp + offset, kp + h * k_cache.stride(2), vp + h * v_cache.stride(2),
                               tp + b * tstride, lp[b], window, bs, G, D, ks, vs,
-                              static_cast<float>(scale) * scp[h], scp[Hkv + h], rp + offset);
+                              static_cast<float>(scale) * scp[h], static_cast<float>(softcap), scp[Hkv + h],
+                              rp + offset);
       }
     });
   });
@@ -260,7 +264,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "float scale, int window, Tensor kv_scales, Tensor(a!) out) -> ()",
+      "float scale, int window, float softcap, Tensor kv_scales, Tensor(a!) out) -> ()",
       decode_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
 }

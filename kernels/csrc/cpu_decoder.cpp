@@ -79,13 +79,14 @@ constexpr int64_t kActSilu = 0, kActGeluTanh = 1;                     // the MLP
 // scales: the fp8 scales of the four linears, biases their biases (an empty tensor where there is
 // none). kv_scales: empty, or [2, Hkv] for an fp8 cache. cos/sin: this layer's rotary tables (unread
 // when its rotary dims are 0: no positional encoding). dims: out features of qkv, o, gate_up, down;
-// heads, kv heads, head size, rotary dims, window; norm placement, q/k norm, activation.
+// heads, kv heads, head size, rotary dims, window; norm placement, q/k norm, activation. softcap: the
+// attention scores' soft cap (0: none).
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::TensorList norms,
                          at::TensorList weights, at::TensorList scales, at::TensorList biases, at::IntArrayRef specs,
                          at::IntArrayRef dims, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_scales, double scale,
-                         double eps, double residual_scale) {
+                         double eps, double residual_scale, double softcap) {
   TORCH_CHECK(scales.size() == 4 && biases.size() == 4 && dims.size() == 12,
               "decoder_layer: 4 scales, 4 biases and 12 dims");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layer: x must be a contiguous [T, hidden]");
@@ -114,7 +115,7 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::T
   if (dims[7] > 0) rotary_(positions, q, k, cos, sin, dims[7]);
   write_kv(to_cache(k, k_cache, kv_scales, 0), to_cache(v, v_cache, kv_scales, 1), k_cache, v_cache, slot_mapping);
   const at::Tensor attn = at::empty({T, H, D}, x.options());
-  decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, dims[8], kv_scales, attn);
+  decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, dims[8], softcap, kv_scales, attn);
   at::Tensor o = lin.apply(attn.view({T, H * D}), 1);
   if (placement != kNormsPre) o = norm(o, placement == kNormsPost ? 0 : 1);
   const at::Tensor h = add(x, o);
@@ -140,6 +141,7 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
       "decoder_layer(Tensor x, Tensor positions, Tensor[] norms, Tensor[] weights, Tensor[] scales, "
       "Tensor[] biases, int[] specs, int[] dims, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, "
-      "Tensor cos, Tensor sin, Tensor kv_scales, float scale, float eps, float residual_scale) -> Tensor",
+      "Tensor cos, Tensor sin, Tensor kv_scales, float scale, float eps, float residual_scale, "
+      "float softcap) -> Tensor",
       decoder_layer);
 }

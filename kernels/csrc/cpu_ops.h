@@ -24,4 +24,4 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& 
               const at::Tensor& slot_mapping);
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                      const at::Tensor& kv_scales, const at::Tensor& out);
+                      double softcap, const at::Tensor& kv_scales, const at::Tensor& out);

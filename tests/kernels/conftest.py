@@ -78,8 +78,9 @@ def _build_case(
     )
 
 
-def _naive_attention(case: SimpleNamespace, sliding_window: int | None) -> torch.Tensor:
-    """Per query token and head: list the visible positions, explicit softmax, weighted sum (float64)."""
+def _naive_attention(case: SimpleNamespace, sliding_window: int | None, softcap: float = 0.0) -> torch.Tensor:
+    """Per query token and head: list the visible positions, explicit softmax, weighted sum (float64);
+    `softcap` > 0 caps each score to softcap * tanh(score / softcap) first."""
     num_tokens, num_heads, head_dim = case.q.shape
     group = num_heads // case.keys[0].shape[1]
     q = case.q.cpu().double()
@@ -94,6 +95,8 @@ def _naive_attention(case: SimpleNamespace, sliding_window: int | None) -> torch
                 k = keys[visible, h // group]
                 v = values[visible, h // group]
                 scores = (k * q[row, h]).sum(-1) * case.scale
+                if softcap:
+                    scores = softcap * torch.tanh(scores / softcap)
                 weights = torch.exp(scores - scores.max())
                 weights = weights / weights.sum()
                 out[row, h] = (weights[:, None] * v).sum(0)

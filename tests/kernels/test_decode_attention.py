@@ -67,6 +67,26 @@ def test_decode_triton_writes_into_out_view(build_case) -> None:
     assert bool((big[0] == 7.0).all()) and bool((big[4] == 7.0).all())
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_softcap_every_op_matches_naive(build_case, naive_attention, window) -> None:
+    """Gemma 2's soft-capped scores (a cap of 1.5 that binds: the queries are scaled up) in the torch
+    reference, the Triton kernel (single pass and split-K) and, on CPU, the native op."""
+    case = build_case(ONES, SEQ_LENS, num_heads=8, num_kv_heads=2, block_size=8)
+    case.q.mul_(4.0)
+    expected = naive_attention(case, window, softcap=1.5)
+    assert not torch.allclose(expected, naive_attention(case, window), atol=1e-2)
+    ops = [(decode_attention_torch, {}), (decode_attention_triton, {"num_splits": 1})]
+    ops += [(decode_attention_triton, {"num_splits": 3})]
+    if case.q.device.type == "cpu":
+        from kernels.native import load_native
+
+        if load_native() is None:
+            ops.append((decode_attention_cpu, {}))
+    for op, kw in ops:
+        out = _run(op, case, window, softcap=1.5, **kw)
+        torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (8, 1), (12, 2)])  # G = 1, 4, 8, 6 (4 at once + 2)

@@ -20,10 +20,22 @@ MIXED = ([1, 6, 12, 1, 20, 33], [9, 6, 30, 1, 20, 40])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def _run(op, case, window: int | None) -> torch.Tensor:
+def _run(op, case, window: int | None, **kw) -> torch.Tensor:
     m = case.meta
     args = (m.block_tables, m.query_start_loc, m.seq_lens, case.scale, window)
-    return op(case.q, case.kv[0], case.kv[1], *args, m.query_start_loc_cpu, m.seq_lens_cpu)
+    return op(case.q, case.kv[0], case.kv[1], *args, m.query_start_loc_cpu, m.seq_lens_cpu, **kw)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_prefill_softcap_matches_naive(build_case, naive_attention, window) -> None:
+    """Gemma 2's soft-capped scores (a cap of 1.5 that binds) in the torch reference and Triton."""
+    case = build_case(*MIXED, num_heads=4, num_kv_heads=2, block_size=8)
+    case.q.mul_(4.0)
+    expected = naive_attention(case, window, softcap=1.5)
+    assert not torch.allclose(expected, naive_attention(case, window), atol=1e-2)
+    for op in (prefill_attention_torch, prefill_attention_triton):
+        out = _run(op, case, window, softcap=1.5)
+        torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 4, 13])

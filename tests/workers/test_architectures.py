@@ -1,7 +1,8 @@
 """The architectures beyond Llama's shape (workers/models/parts.py and one file each) against transformers.
 
 Each is a tiny checkpoint built with transformers' own classes (`ember make-model --arch ...`), with
-what makes it itself: Gemma 3 with seven layers (six sliding, one global, their own rope bases), a
+what makes it itself: Gemma 2 with sliding and global layers in turn and soft caps that bind on
+attention scores and logits; Gemma 3 with seven layers (six sliding, one global, their own rope bases), a
 window shorter than the prompts, `query_pre_attn_scalar` unlike the head size; SmolLM3 with a NoPE
 layer; OLMo 2's post-norms and q/k norms over all heads; Granite's four multipliers far from 1;
 Phi-3's fused projections, a window on every layer and LongRoPE; all with 6 heads over 2 kv heads.
@@ -34,6 +35,12 @@ WINDOW = 8
 # make-model arguments: odd sizes, several layer kinds
 SHAPES = dict(hidden=72, heads=6, kv_heads=2, head_dim=16, intermediate=112)
 FAMILIES = {
+    # soft caps that bind on a tiny model's small scores and logits: an engine that skips one is caught
+    "gemma2": dict(
+        layers=4,
+        sliding_window=WINDOW,
+        extra_config={"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5},
+    ),
     # a query scale unlike 1/sqrt(head_dim): an engine that ignores query_pre_attn_scalar is caught
     "gemma3": dict(layers=7, sliding_window=WINDOW, extra_config={"query_pre_attn_scalar": 24}),
     "smollm3": dict(layers=4),  # layer 3 has no positional encoding
@@ -41,7 +48,7 @@ FAMILIES = {
     "granite": dict(layers=3),
     "phi3": dict(layers=3, head_dim=None, sliding_window=WINDOW),  # fused qkv and gate_up; hidden / heads
 }
-GGUF_FAMILIES = ("gemma3", "smollm3", "olmo2", "granite")
+GGUF_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "granite")
 BF16_MIN_TOP1 = 0.97
 
 
@@ -138,8 +145,11 @@ def test_bf16_on_the_native_ops_agrees_teacher_forced(family, reference, native_
 
 @pytest.mark.parametrize("arch", GGUF_FAMILIES)
 def test_a_gguf_file_gives_the_folders_tokens(arch: str, make_ckpt, tmp_path: Path) -> None:
-    # llama.cpp derives Gemma 3's query scale from head_dim: its GGUF files cannot say another
-    folder = make_ckpt(arch, **{**SHAPES, **FAMILIES[arch], "extra_config": None})
+    # llama.cpp derives Gemma's query scale from head_dim: its GGUF files cannot say another
+    extra = {
+        k: v for k, v in (FAMILIES[arch].get("extra_config") or {}).items() if k != "query_pre_attn_scalar"
+    }
+    folder = make_ckpt(arch, **{**SHAPES, **FAMILIES[arch], "extra_config": extra or None})
     gguf = write_gguf(folder, tmp_path / f"{arch}.gguf")
     runs = []
     prompts: list[list[int]] = []
@@ -176,11 +186,17 @@ def test_phi3_longrope_runs_its_short_factors_within_its_trained_context(make_ck
         LLM(str(path), dtype="float32", max_model_len=512, show_progress=False)
 
 
-def test_gemma3_with_soft_capping_is_refused_in_one_line(make_ckpt) -> None:
-    config = {"final_logit_softcapping": 30.0}
+def test_gemma3_with_soft_caps_keeps_transformers_tokens(make_ckpt) -> None:
+    """Gemma 3 configs may set Gemma 2's soft caps too: the final one applies (binding here), the
+    attention one does not (as in transformers and llama.cpp)."""
+    config = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5}
     path = make_ckpt("gemma3", **{**SHAPES, **FAMILIES["gemma3"], "extra_config": config})
-    with pytest.raises(ConfigError, match="Gemma3ForCausalLM with logit soft-capping is not supported yet"):
-        LLM(str(path), dtype="float32", show_progress=False)
+    with LLM(str(path), dtype="float32", show_progress=False) as llm:
+        prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:3]]
+        tokens, logprobs = greedy(llm, prompts)
+    ref = [hf_greedy(str(path), p, MAX_NEW) for p in prompts]
+    check_outputs_equal(tokens, [r[0] for r in ref])
+    check_logprobs_close(logprobs, [r[1] for r in ref])
 
 
 def test_olmo2_with_tensor_parallelism_is_refused_in_one_line(make_ckpt) -> None:

@@ -155,6 +155,9 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
     )
 
 
+GEMMA2_CAPS = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5}  # caps that bind
+
+
 @pytest.mark.parametrize(
     ("arch", "kwargs", "quantization", "fused"),
     [
@@ -163,6 +166,7 @@ def test_fp8_native_tracks_fp8_in_float32(native_run, monkeypatch: pytest.Monkey
         ("mistral", {"sliding_window": 6}, None, True),  # the window cuts into prompt and output
         ("qwen3", {}, None, True),  # q/k norms per head
         ("gemma3", {"layers": 6, "sliding_window": 6}, None, True),  # sandwich norms, 1 + w, GeGLU, 2 ropes
+        ("gemma2", {"layers": 4, "sliding_window": 6, "extra_config": GEMMA2_CAPS}, None, True),  # soft caps
         ("smollm3", {"layers": 4}, None, True),  # a layer without rotary
         ("olmo2", {}, "int8", True),  # post-norms, q/k norms over all heads
         ("granite", {}, None, True),  # the residual multiplier (and the others, outside the layers)

@@ -51,12 +51,13 @@ POST_NORMS = {
     "post_ffw_norm": "post_feedforward_layernorm",  # FFN_POST_NORM
 }
 BLOCKS = {
+    "gemma2": BLOCK | POST_NORMS | {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": BLOCK | POST_NORMS | {"ffn_norm": "pre_feedforward_layernorm"},
     "olmo2": {k: v for k, v in BLOCK.items() if k not in ("attn_norm", "ffn_norm")} | POST_NORMS,
 }
 # llama.cpp's converter interleaves the q/k rotary halves for Llama and the models it derives from
 PERMUTED = ("llama", "granite", "smollm3")
-NORM_SHIFTED = ("gemma3",)  # llama.cpp stores Gemma's 1 + w norm weights with the 1 added
+NORM_SHIFTED = ("gemma2", "gemma3")  # llama.cpp stores Gemma's 1 + w norm weights with the 1 added
 
 
 def block_names(arch: str) -> dict[str, str]:

@@ -51,6 +51,7 @@ class FusedLayer:
     attention: PagedAttention  # read at each call: its fp8 kv_scales are set after this is built
     rotary: RotaryEmbedding | None  # this layer's tables (None: no positional encoding)
     residual_scale: float
+    softcap: float = 0.0  # the attention scores' soft cap (0: none)
     index: int = 0  # the layer's place in the model (its KV group's view of the metadata)
 
 
@@ -113,7 +114,8 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype, index: int = 0) -> Fused
     parts = [PLACEMENTS[layer.norms], QK_NORMS[attn.qk_norm], ACTS[mlp.act]]
     dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary_dim, window, *parts]
     args = (attn.attn.scale, norms[0].eps, attn.attn, rotary, layer.residual_scale)
-    return FusedLayer([n.weight for n in norms], weights, scales, biases, specs, dims, *args, index)
+    softcap = attn.attn.softcap
+    return FusedLayer([n.weight for n in norms], weights, scales, biases, specs, dims, *args, softcap, index)
 
 
 MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
@@ -154,7 +156,20 @@ def run(
         table, lens, slots = rows[id(view)]
         kv_scales = empty if p.attention.kv_scales is None else p.attention.kv_scales
         cos, sin = (empty, empty) if p.rotary is None else (p.rotary.cos, p.rotary.sin)
-        args = (kv[0], kv[1], table, lens, slots, cos, sin, kv_scales, p.scale, p.eps, p.residual_scale)
+        args = (
+            kv[0],
+            kv[1],
+            table,
+            lens,
+            slots,
+            cos,
+            sin,
+            kv_scales,
+            p.scale,
+            p.eps,
+            p.residual_scale,
+            p.softcap,
+        )
         x = layer_op(x, positions, p.norms, p.weights, p.scales, p.biases, p.specs, p.dims, *args)
     return x
 

@@ -349,9 +349,11 @@ class PagedAttention(nn.Module):
         head_dim: int,
         sliding_window: int | None,
         backend: AttentionBackend,
+        softcap: float = 0.0,
     ) -> None:
         super().__init__()
         self.backend = backend
+        self.softcap = softcap  # the scores' soft cap (Gemma 2), 0: none
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -372,7 +374,7 @@ class PagedAttention(nn.Module):
             n = meta.num_actual_tokens
             step = torch.stack([k[:n].abs().amax(dim=(0, 2)), v[:n].abs().amax(dim=(0, 2))]).float()
             self.kv_amax = torch.maximum(self.kv_amax, step)
-        args = (meta, self.scale, self.sliding_window, self.kv_scales)
+        args = (meta, self.scale, self.sliding_window, self.kv_scales, self.softcap)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], *args)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 

@@ -192,4 +192,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.compute_logits(hidden)
-        return logits if self.parts.logit_divisor == 1.0 else logits / self.parts.logit_divisor
+        if self.parts.logit_divisor != 1.0:
+            logits = logits / self.parts.logit_divisor
+        cap = self.parts.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

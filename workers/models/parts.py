@@ -5,7 +5,8 @@ per layer (`LayerKind`) a sliding window or full attention and which rotary tabl
 q/k norms per head or over all heads; the attention scale; where the norms sit (`pre` as Llama,
 `sandwich` as Gemma: before and after both attention and MLP, `post` as OLMo 2: after them only);
 norms scaling by `1 + weight` (Gemma; folded into the weight as it loads, so every norm kernel runs
-it); SwiGLU or GeGLU with tanh-GELU; embedding, residual and logit multipliers. An architecture's
+it); SwiGLU or GeGLU with tanh-GELU; embedding, residual and logit multipliers; soft caps of the
+attention scores and of the final logits (Gemma 2). An architecture's
 file builds its `DecoderParts` from its config (`LlamaForCausalLM.decoder_parts`) and names its
 weights; `DecoderLayer` and `DecoderAttention` here compose them. Every part computes through the
 model's ops strategy (ops.py: torch references, native CPU ops) and its attention backend, so the
@@ -75,6 +76,8 @@ class DecoderParts:
     embed_scale: float = 1.0  # the token embeddings times this (in the activation dtype)
     residual_scale: float = 1.0  # each block's output times this before the residual add
     logit_divisor: float = 1.0  # the logits divided by this
+    attn_softcap: float = 0.0  # attention scores capped to c * tanh(score / c) (Gemma 2); 0: none
+    final_softcap: float = 0.0  # the logits capped likewise, after the divisor; 0: none
 
     def __post_init__(self) -> None:
         if self.norms not in NORM_PLACEMENTS:
@@ -136,7 +139,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = norm(q_dim, cfg.rms_norm_eps, parts) if parts.qk_norm else None
         self.k_norm = norm(k_dim, cfg.rms_norm_eps, parts) if parts.qk_norm else None
         self.rotary = rotary  # one table per kind, shared by the layers of that kind; None: NoPE
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, window, backend)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, window, backend, parts.attn_softcap)
         if parts.attn_scale is not None:
             self.attn.scale = parts.attn_scale
 
