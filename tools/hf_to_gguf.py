@@ -35,6 +35,7 @@ ARCHS = {
     "smollm3": "smollm3",
     "olmo2": "olmo2",
     "granite": "granite",
+    "phi3": "phi3",
 }
 WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 CONTROL, NORMAL = 3, 1
@@ -116,6 +117,14 @@ def _family_metadata(writer: GGUFWriter, arch: str, cfg: dict, head_dim: int) ->
     if arch == "granite":
         for key, hf in GRANITE_SCALES.items():
             writer.add_float32(f"{arch}.{key}", float(cfg[hf]))
+    if arch == "phi3":  # as llama.cpp's converter: 0 for no window, LongRoPE's factors as tensors
+        writer.add_sliding_window(int(cfg.get("sliding_window") or 0))
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type") in ("longrope", "su"):
+            writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            for which in ("long", "short"):
+                factors = np.asarray(rope[f"{which}_factor"], dtype=np.float32)
+                writer.add_tensor(f"rope_factors_{which}.weight", factors)
 
 
 def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
@@ -138,7 +147,10 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    rope_dims = int(
+        head_dim * float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    )
+    writer.add_rope_dimension_count(rope_dims)
     writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     writer.add_vocab_size(cfg["vocab_size"])

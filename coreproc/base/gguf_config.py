@@ -25,7 +25,9 @@ ARCHITECTURES = {
     "smollm3": ("SmolLM3ForCausalLM", "smollm3"),
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "granite": ("GraniteForCausalLM", "granite"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
 }
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE tensors
 # Granite's multipliers: GGUF key -> config.json key
 GRANITE_SCALES = {
     "embedding_scale": "embedding_multiplier",
@@ -54,9 +56,15 @@ REQUIRED = ("block_count", "embedding_length", "feed_forward_length", "attention
 ROPE_SCALING = ("linear", "yarn")
 
 
-def hf_config(meta: dict[str, Any], tensor_names: tuple[str, ...], source: str) -> dict[str, Any]:
+def hf_config(
+    meta: dict[str, Any],
+    tensor_names: tuple[str, ...],
+    source: str,
+    factors: dict[str, list[float]] | None = None,
+) -> dict[str, Any]:
     """config.json keys from GGUF metadata (as transformers 4 and 5 both read them); ConfigError for an
-    architecture or a rope variant Ember cannot run."""
+    architecture or a rope variant Ember cannot run. `factors`: the values of the ROPE_FACTORS tensors
+    the file holds (Phi-3's LongRoPE)."""
     arch = str(meta.get("general.architecture", "(none)"))
     if arch not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
@@ -78,7 +86,7 @@ def hf_config(meta: dict[str, Any], tensor_names: tuple[str, ...], source: str) 
     cfg["vocab_size"] = vocab
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if rotary != head_dim:
+    if rotary != head_dim and arch != "phi3":
         raise ConfigError(f"{source}: partial rotary embeddings ({rotary} of {head_dim}) are not supported")
     if "rope_freqs.weight" in tensor_names:
         raise ConfigError(f"{source}: per-frequency rope factors (rope_freqs) are not supported")
@@ -100,6 +108,8 @@ def hf_config(meta: dict[str, Any], tensor_names: tuple[str, ...], source: str) 
     cfg["hidden_act"] = "silu"
     cfg["torch_dtype"] = cfg["dtype"] = _stored_dtype(meta)
     cfg |= _family_config(arch, meta, cfg, rope)
+    if arch == "phi3":
+        cfg |= _phi3(meta, cfg, rope, rotary / head_dim, factors or {}, source)
     return cfg
 
 
@@ -138,6 +148,29 @@ def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: d
     if arch == "granite":
         return {hf: meta[f"{arch}.{key}"] for key, hf in GRANITE_SCALES.items() if f"{arch}.{key}" in meta}
     return {}
+
+
+def _phi3(
+    meta: dict[str, Any], cfg: dict[str, Any], rope: dict, rotary: float, factors: dict, source: str
+) -> dict[str, Any]:
+    """Phi-3 as llama.cpp's converter writes it: a window on every layer (0: none), partial rotary,
+    LongRoPE's factors as tensors beside the trained context."""
+    window = meta.get("phi3.attention.sliding_window") or None
+    out: dict[str, Any] = {"sliding_window": window}
+    if rotary != 1.0:
+        rope["partial_rotary_factor"] = out["partial_rotary_factor"] = rotary
+    if factors:
+        if sorted(factors) != sorted(ROPE_FACTORS):
+            raise ConfigError(f"{source}: LongRoPE needs both {' and '.join(ROPE_FACTORS)}")
+        original = meta.get("phi3.rope.scaling.original_context_length", cfg["max_position_embeddings"])
+        rope |= {
+            "rope_type": "longrope",
+            "long_factor": factors["rope_factors_long.weight"],
+            "short_factor": factors["rope_factors_short.weight"],
+            "original_max_position_embeddings": original,
+        }
+        out |= {"rope_scaling": rope, "original_max_position_embeddings": original}
+    return out
 
 
 def _gemma(

@@ -292,6 +292,13 @@ class GGUFFile:
 
     @cached_property
     def _hf_config(self) -> dict[str, Any]:
-        from coreproc.base.gguf_config import hf_config
+        from coreproc.base.gguf_config import ROPE_FACTORS, hf_config
 
-        return hf_config(self.metadata, tuple(self.tensors), str(self.path))
+        factors = {name: self.floats(self.tensors[name]) for name in ROPE_FACTORS if name in self.tensors}
+        return hf_config(self.metadata, tuple(self.tensors), str(self.path), factors)
+
+    def floats(self, info: TensorInfo) -> list[float]:
+        """A small float32 tensor's values (ConfigError for another type)."""
+        if info.type_name != "F32":
+            raise ConfigError(f"{self.path}: tensor {info.name} must be F32, not {info.type_name}")
+        return list(struct.unpack(f"<{info.nbytes // 4}f", self.data(info)))

@@ -48,7 +48,7 @@ FAMILIES = {
     "granite": dict(layers=3),
     "phi3": dict(layers=3, head_dim=None, sliding_window=WINDOW),  # fused qkv and gate_up; hidden / heads
 }
-GGUF_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "granite")
+GGUF_FAMILIES = ("gemma2", "gemma3", "smollm3", "olmo2", "granite", "phi3")
 BF16_MIN_TOP1 = 0.97
 
 
@@ -170,18 +170,24 @@ LONGROPE = {
 }
 
 
-def test_phi3_longrope_runs_its_short_factors_within_its_trained_context(make_ckpt) -> None:
+def test_phi3_longrope_runs_its_short_factors_within_its_trained_context(make_ckpt, tmp_path: Path) -> None:
     """Phi-3's LongRoPE: transformers' short factors and attention factor (max_position_embeddings 1024
-    over 256 trained), the context cut to 256 when none is asked for, a longer one refused."""
+    over 256 trained), the context cut to 256 when none is asked for, a longer one refused; its GGUF
+    file (the factors as llama.cpp's rope_factors tensors) gives the same tokens."""
     arch = "phi3"
     path = make_ckpt(arch, **{**SHAPES, **FAMILIES[arch]}, rope_parameters=LONGROPE)
-    with LLM(str(path), dtype="float32", show_progress=False) as llm:
-        assert llm.engine.config.model.max_model_len == 256
-        prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:4]]
-        tokens, logprobs = greedy(llm, prompts)
+    gguf = write_gguf(path, tmp_path / "phi3-longrope.gguf")
+    runs = []
+    prompts: list[list[int]] = []
+    for source in (path, gguf):  # the folder's token ids into both (the tiny tokenizer is not GPT-2's)
+        with LLM(str(source), dtype="float32", show_progress=False) as llm:
+            assert llm.engine.config.model.max_model_len == 256
+            prompts = prompts or [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:4]]
+            runs.append(greedy(llm, prompts))
     ref = [hf_greedy(str(path), p, MAX_NEW) for p in prompts]
-    check_outputs_equal(tokens, [r[0] for r in ref])
-    check_logprobs_close(logprobs, [r[1] for r in ref])
+    for tokens, logprobs in runs:
+        check_outputs_equal(tokens, [r[0] for r in ref])
+        check_logprobs_close(logprobs, [r[1] for r in ref])
     with pytest.raises(ConfigError, match="max_model_len 512 needs LongRoPE's long factors"):
         LLM(str(path), dtype="float32", max_model_len=512, show_progress=False)
 

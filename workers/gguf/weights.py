@@ -54,6 +54,9 @@ BLOCKS = {
     "gemma2": BLOCK | POST_NORMS | {"ffn_norm": "pre_feedforward_layernorm"},
     "gemma3": BLOCK | POST_NORMS | {"ffn_norm": "pre_feedforward_layernorm"},
     "olmo2": {k: v for k, v in BLOCK.items() if k not in ("attn_norm", "ffn_norm")} | POST_NORMS,
+    # Phi-3's fused projections, as in its checkpoint: q/k/v in one, gate and up in `ffn_up`
+    "phi3": {k: v for k, v in BLOCK.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
+    | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 # llama.cpp's converter interleaves the q/k rotary halves for Llama and the models it derives from
 PERMUTED = ("llama", "granite", "smollm3")

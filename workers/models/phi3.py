@@ -18,3 +18,9 @@ from workers.models.llama import LlamaForCausalLM
 class Phi3ForCausalLM(LlamaForCausalLM):
     sliding_window_all_layers = True
     stacked_params: tuple[tuple[str, str, Any], ...] = ()  # fused in the checkpoint already
+    # a GGUF file's LongRoPE factors, which its config already carries
+    ignored_suffixes = (
+        *LlamaForCausalLM.ignored_suffixes,
+        "rope_factors_long.weight",
+        "rope_factors_short.weight",
+    )

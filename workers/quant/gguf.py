@@ -48,12 +48,16 @@ class GGUFPacked(QuantMethod):
         tp = getattr(mod, "tp", None)
         rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
         local_sizes = getattr(mod, "local_sizes", None)
-        if local_sizes is not None:  # ColumnLinear: shard `shard` of the stacked outputs
-            index = shard or 0
-            rows, k = local_sizes[index], int(mod.weight.shape[1])
-            if tensor.shape != (rows * size, k):
-                raise ValueError(f"shape {tensor.shape} does not match expected {(rows * size, k)}")
-            parts[index] = tensor.narrow_rows(rank * rows, rows), rows
+        if local_sizes is not None:  # ColumnLinear: shard `shard` of the stacked outputs, or all of them
+            indices = range(len(local_sizes)) if shard is None else [shard]
+            k, start = int(mod.weight.shape[1]), 0
+            expected = (sum(local_sizes[i] for i in indices) * size, k)
+            if tensor.shape != expected:
+                raise ValueError(f"shape {tensor.shape} does not match expected {expected}")
+            for index in indices:  # a tensor fused in the checkpoint (Phi-3's) holds every shard
+                rows = local_sizes[index]
+                parts[index] = tensor.narrow_rows(start + rank * rows, rows), rows
+                start += rows * size
         elif hasattr(mod, "local_in"):  # RowLinear: this rank's inputs
             n, k = int(mod.weight.shape[0]), mod.local_in
             if tensor.shape != (n, k * size):

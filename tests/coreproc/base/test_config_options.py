@@ -47,6 +47,7 @@ SAMPLES: dict[str, tuple[str, object]] = {
     "kv_cache_dtype": ("fp8", "fp8"),
     "kv_cache_prefault": ("--kv-cache-prefault", True),
     "enable_prefix_caching": ("--no-enable-prefix-caching", False),
+    "release_window_blocks": ("--no-release-window-blocks", False),
     "prefix_hash_seed": ("3", 3),
     "enable_lora": ("--enable-lora", True),
     "lora_modules": ("a=/nonexistent", ("a=/nonexistent",)),

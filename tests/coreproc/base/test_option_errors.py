@@ -30,6 +30,7 @@ FREE = {
     "revision": "a free name (part of the weight cache's key)",
     "kv_cache_prefault": "a boolean",
     "enable_prefix_caching": "a boolean",
+    "release_window_blocks": "a boolean",
     "prefix_hash_seed": "any integer",
     "async_scheduling": "a boolean",
     "master_addr": "any host name or address (reached when the nodes meet)",
