@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
@@ -34,8 +34,9 @@ END_OF_TURN_IDS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # the special tokens transformers' tokenizer class for each model adds before it reads the file's own:
 # a vocabulary without them gets them as new ids after its last one, as it does in transformers
 CLASS_DEFAULT_TOKENS = {"gpt2": ("<|endoftext|>",), "llama": ("<s>", "</s>", "<unk>")}
-# architectures whose sentencepiece vocabularies transformers rebuilds its own way (not supported here)
-SENTENCEPIECE_SPECIAL_CASES = ("gemma", "gemma2", "gemma3", "phi3")
+# Gemma's sentencepiece files, which transformers rebuilds as GemmaTokenizer (see _gemma_backend)
+GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+GEMMA_DEFAULT_TOKENS = ("<unk>", "<bos>", "<eos>", "<pad>", "<mask>")
 SPIECE_SPACE = "\u2581"
 
 # How text is cut before BPE, by `tokenizer.ggml.pre`: the names transformers recognises. Any other name
@@ -78,11 +79,6 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], source: str = "GGUF file")
     if not tokens or not all(isinstance(t, str) for t in tokens):
         raise ValueError(f"cannot build a tokenizer from {source}: it has no tokenizer.ggml.tokens")
     architecture = metadata.get("general.architecture")
-    if kind == "llama" and architecture in SENTENCEPIECE_SPECIAL_CASES:
-        raise ValueError(
-            f"cannot build a tokenizer from {source}: the sentencepiece vocabulary of architecture "
-            f"{architecture!r} is not supported"
-        )
     if kind not in CLASS_DEFAULT_TOKENS:
         raise ValueError(
             f"cannot build a tokenizer from {source}: tokenizer.ggml.model {kind!r} is not supported "
@@ -90,10 +86,19 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], source: str = "GGUF file")
         )
     named = _named_tokens(metadata, tokens, source)
     types = metadata.get("tokenizer.ggml.token_type") or []
+    defaults = CLASS_DEFAULT_TOKENS[kind]
     if kind == "gpt2":
         backend = _byte_level_backend(tokens, _merges(metadata, tokens, source, byte_level=True))
+    elif architecture in GEMMA_ARCHITECTURES:
+        backend, defaults = _gemma_backend(tokens), GEMMA_DEFAULT_TOKENS
+        named["mask_token"] = "<mask>"  # GemmaTokenizer's, whatever the file says
     else:
         backend = _sentencepiece_backend(tokens, _merges(metadata, tokens, source, byte_level=False))
+        if architecture == "phi3":  # the prefix space from a normalizer, as Phi-3's own tokenizer.json
+            backend.normalizer = normalizers.Sequence(
+                [normalizers.Prepend(SPIECE_SPACE), normalizers.Replace(" ", SPIECE_SPACE)]
+            )
+            backend.pre_tokenizer = None
     split = PRE_TOKENIZER_SPLIT.get(str(metadata.get("tokenizer.ggml.pre")))
     if split is not None:
         backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -102,7 +107,7 @@ def gguf_tokenizer_parts(metadata: Mapping[str, Any], source: str = "GGUF file")
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    _add_tokens(backend, tokens, types, named, CLASS_DEFAULT_TOKENS[kind], byte_level=kind == "gpt2")
+    _add_tokens(backend, tokens, types, named, defaults, byte_level=kind == "gpt2")
     # a sentencepiece file that does not say gets BOS: llama.cpp's default, which transformers follows
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
@@ -211,6 +216,24 @@ def _sentencepiece_backend(tokens: list[str], merges: list[tuple[str, str]]) -> 
             decoders.Strip(content=" ", left=1, right=0),
         ]
     )
+    return backend
+
+
+def _gemma_backend(tokens: list[str]) -> Backend:
+    """Gemma's sentencepiece BPE (transformers' GemmaTokenizer): spaces become `▁` by a normalizer, no
+    prefix space, byte fallback. Its files spell a token of spaces with real spaces (renamed to `▁`s
+    here, as the normalizer's output is looked up) and hold no merges: they come from the vocabulary,
+    best first in the order the tokens are listed (Gemma's scores do not follow its merge order)."""
+    respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(respelled)}
+    merges = _merges_from_scores(vocab, {token: -index for index, token in enumerate(respelled)})
+    model = BPE(vocab, merges, fuse_unk=True, unk_token="<unk>", dropout=None, byte_fallback=True)
+    backend = Backend(model)
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     return backend
 
 

@@ -70,12 +70,13 @@ def write_gguf(path: Path, metadata: dict[str, Any]) -> Path:
     return path
 
 
-def llama_metadata(vocab_size: int) -> dict[str, Any]:
-    """The model keys transformers needs to build a config for a llama GGUF."""
+def llama_metadata(vocab_size: int, arch: str = "llama") -> dict[str, Any]:
+    """The model keys transformers needs to build a config for a GGUF of `arch`."""
     keys = {"context_length": 2048, "embedding_length": 64, "block_count": 1, "feed_forward_length": 128}
     keys |= {"attention.head_count": 4, "attention.head_count_kv": 2, "vocab_size": vocab_size}
     keys |= {"attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0}
-    return {"general.architecture": "llama", **{f"llama.{k}": v for k, v in keys.items()}}
+    keys |= {"attention.key_length": 16, "attention.value_length": 16, "attention.sliding_window": 512}
+    return {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in keys.items()}}
 
 
 def tiny_byte_level_metadata() -> dict[str, Any]:
@@ -136,6 +137,39 @@ def sentencepiece_metadata() -> dict[str, Any]:
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def gemma_metadata(arch: str) -> dict[str, Any]:
+    """A Gemma-style sentencepiece file: Gemma's special tokens first, turn markers, byte tokens, tokens
+    of spaces spelled with real spaces (as Gemma's files spell them), trained pieces in merge order, no
+    merges, scores that do not follow that order; BOS added, Gemma's chat template."""
+    spm = sentencepiece_metadata()
+    pieces = spm["tokenizer.ggml.tokens"][259:-2]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+    tokens += [f"<0x{b:02X}>" for b in range(256)] + ["\n", "\n\n", "\t", "  ", "   ", "    "] + pieces
+    types = [3, 3, 3, 2, 3, 3, 3, *[6] * 256, *[1] * (6 + len(pieces))]
+    scores = [0.0] * 263 + [float(i % 7) for i in range(6 + len(pieces))]
+    return llama_metadata(len(tokens), arch) | {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.chat_template": GEMMA_TEMPLATE,
     }
 
 
@@ -225,6 +259,30 @@ def test_sentencepiece_file_matches_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_file_matches_transformers(arch: str, tmp_path: Path) -> None:
+    """Gemma's vocabulary as transformers rebuilds it (GemmaTokenizer): no prefix space, runs of spaces
+    as their own tokens, merges in the file's order; its chat template."""
+    pair = load_pair(write_gguf(tmp_path / "gemma.gguf", gemma_metadata(arch)))
+    texts = [*TEXTS, "  two  spaces\n    four", "\x00\x01 bytes ǅ ÿ", "<bos>in<eos> <start_of_turn>x"]
+    assert_same(pair, texts)
+    assert pair.ember.encode("hi")[0] == 2
+    assert chat_ids(pair.ember) == chat_ids(pair.hf)
+
+
+@pytest.mark.unit
+def test_phi3_file_matches_transformers(tmp_path: Path) -> None:
+    """Phi-3's sentencepiece file: the prefix space from a normalizer (it shows on leading spaces)."""
+    metadata = sentencepiece_metadata() | {
+        k.replace("llama.", "phi3."): v for k, v in llama_metadata(0).items() if k.startswith("llama.")
+    }
+    metadata = {k: v for k, v in metadata.items() if not k.startswith("llama.")}
+    metadata |= {"general.architecture": "phi3", "phi3.vocab_size": len(metadata["tokenizer.ggml.tokens"])}
+    pair = load_pair(write_gguf(tmp_path / "phi3.gguf", metadata))
+    assert_same(pair, [*TEXTS, "  two  spaces\n", "<s>in</s> <|im_start|>x"])
+
+
+@pytest.mark.unit
 def test_named_chat_templates_sit_beside_the_default() -> None:
     metadata = tiny_byte_level_metadata()
     metadata["tokenizer.chat_template.tool_use"] = "tools: {{ messages[0]['content'] }}"
@@ -247,8 +305,6 @@ def test_unbuildable_metadata_raises_one_line_naming_the_file() -> None:
         },
         "no tokenizer.ggml.tokens": {k: v for k, v in good.items() if k != "tokenizer.ggml.tokens"},
         "has no tokenizer.ggml.tokens": good | {"tokenizer.ggml.tokens": []},
-        "architecture 'gemma' is not supported": good
-        | {"general.architecture": "gemma", "tokenizer.ggml.model": "llama"},
         "tokenizer.ggml.bos_token_id 99999 is not a token id": good | {"tokenizer.ggml.bos_token_id": 99999},
         "no tokenizer.ggml.merges": no_merges,
     }
