@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from coreproc.base.lora import TARGETS, TENSOR_NAME, WEIGHTS_FILE, LoRAConfig, LoRAError
+from coreproc.base.lora import ALL, TARGETS, TENSOR_NAME, WEIGHTS_FILE, LoRAConfig, LoRAError
 from coreproc.base.protocol import LoRARef
 from kernels.lora import lora_add_runs_, select_lora_op
 from workers.models.layers import ColumnLinear, RowLinear
@@ -186,13 +186,19 @@ class LoRAManager:
             lora, lin = self.layers[(layer, target)]
             value = tensor.to(lora.a.dtype)
             if isinstance(lin, ColumnLinear):
-                cols = slice(segment * self.rank, segment * self.rank + r)
-                if kind == "A":  # [r, in]: whole on every rank
-                    lora.a[slot, cols] = value
-                else:  # [out, r]: this rank's rows, at the segment's offset
-                    size = lin.local_sizes[segment]
-                    offset = sum(lin.local_sizes[:segment])
-                    lora.b[slot, offset : offset + size, cols] = value.narrow(0, tp.rank * size, size)
+                # a fused projection's adapter: its A in every segment, its B's rows cut by segment
+                segments = range(len(lin.local_sizes)) if segment == ALL else [segment]
+                start = 0  # the segment's first row in the adapter's B (all ranks' rows)
+                for seg in segments:
+                    cols = slice(seg * self.rank, seg * self.rank + r)
+                    size = lin.local_sizes[seg]
+                    if kind == "A":  # [r, in]: whole on every rank
+                        lora.a[slot, cols] = value
+                    else:  # [out, r]: this rank's rows, at the segment's offset
+                        offset = sum(lin.local_sizes[:seg])
+                        rows = value.narrow(0, start + tp.rank * size, size)
+                        lora.b[slot, offset : offset + size, cols] = rows
+                    start += size * tp.size
             elif kind == "A":  # row layer, [r, in]: this rank's columns
                 lora.a[slot, :r] = value.narrow(1, tp.rank * lin.local_in, lin.local_in)
             else:

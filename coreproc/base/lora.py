@@ -25,8 +25,12 @@ from coreproc.base.errors import ConfigError, EmberError
 from coreproc.base.options import at_least, option
 from coreproc.base.protocol import LoRARef
 
-# the projections an adapter may target, and the Ember layer (and segment) each one lands in
+# the projections an adapter may target, and the Ember layer (and segment) each one lands in; ALL: a
+# projection fused in the checkpoint (Phi-3's), whose adapter covers every segment of the layer
+ALL = -1
 TARGETS: dict[str, tuple[str, int]] = {
+    "qkv_proj": ("self_attn.qkv_proj", ALL),
+    "gate_up_proj": ("mlp.gate_up_proj", ALL),
     "q_proj": ("self_attn.qkv_proj", 0),
     "k_proj": ("self_attn.qkv_proj", 1),
     "v_proj": ("self_attn.qkv_proj", 2),
