@@ -439,3 +439,19 @@ def test_a_lora_engine_snapshots_with_its_adapters(model: Path, tmp_path: Path) 
     _overwrite(weights, weights.stat().st_size - 64, bytes(64))
     done = ember("snapshot", "restore", str(root), "--port", "0")
     assert done.returncode == 2 and "changed" in done.stderr, done.stderr
+
+
+def test_a_sliding_window_model_snapshots_and_restores(make_ckpt, tmp_path: Path) -> None:
+    """Gemma 3 (sliding and global layers: KV groups with their own block tables, the null block
+    reserved) snapshots and restores; the restored server answers long prompts, twice (the second
+    time from its prefix cache), as a fresh server does."""
+    from tests.workers.test_architectures import FAMILIES, SHAPES
+
+    model = make_ckpt("gemma3", **{**SHAPES, **FAMILIES["gemma3"]})
+    serve = [str(model), "--dtype", "float32", "--max-model-len", "256", "--block-size", "4"]
+    root = tmp_path / "snap"
+    done = ember("snapshot", "create", str(root), "--", *serve)
+    assert done.returncode == 0, done.stderr
+    long = " ".join(f"item{i}" for i in range(40))
+    bodies = [{"model": str(model), "prompt": p} for p in (long, long + " and", PROMPTS[1])]
+    _same_as_a_fresh_server(root, serve, bodies + bodies)
