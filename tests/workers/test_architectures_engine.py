@@ -134,3 +134,26 @@ def test_preload_daemon_weights_give_the_disk_tokens(arch: str, make_ckpt, tmp_p
         stop(daemon)
     assert source == "ipc_cache"
     assert mapped == run()[0]
+
+
+@pytest.mark.parametrize("target", ["gemma3", "mistral"])
+def test_a_draft_model_speculates_for_a_sliding_window_target(
+    target: str, make_ckpt, steady_step_costs
+) -> None:
+    """A Llama draft proposing for Gemma 3 (its KV on the global group's block tables) and for an
+    all-sliding Mistral (whose windows then keep every block, as the draft reads every position):
+    greedy tokens are the target's alone, with proposals accepted."""
+    shape = {**SHAPES, **FAMILIES["gemma3"]} if target == "gemma3" else {**SHAPES, "sliding_window": 8}
+    path = str(make_ckpt(target, **shape))
+    draft = str(make_ckpt("llama", **SHAPES, layers=1))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
+    runs = []
+    for extra in ({}, {"speculative_config": spec}):
+        with LLM(path, dtype="float32", block_size=4, show_progress=False, **extra) as llm:
+            prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:4]]
+            runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)])
+            stats, windows = llm.stats(), set(llm.engine.scheduler.kv.windows)
+    assert windows == ({None, 8} if target == "gemma3" else {None})
+    assert runs[0] == runs[1]
+    assert stats.spec_num_proposed > 0

@@ -167,6 +167,8 @@ GEMMA2_CAPS = {"attn_logit_softcapping": 0.5, "final_logit_softcapping": 1.5}  #
         ("qwen3", {}, None, True),  # q/k norms per head
         ("gemma3", {"layers": 6, "sliding_window": 6}, None, True),  # sandwich norms, 1 + w, GeGLU, 2 ropes
         ("gemma2", {"layers": 4, "sliding_window": 6, "extra_config": GEMMA2_CAPS}, None, True),  # soft caps
+        ("gemma3", {"layers": 6, "sliding_window": 6, "gguf": "Q8_0"}, None, True),  # KV groups, own bits
+        ("phi3", {"sliding_window": 6, "gguf": "Q4_0"}, None, True),  # fused qkv / gate_up in own bits
         ("smollm3", {"layers": 4}, None, True),  # a layer without rotary
         ("olmo2", {}, "int8", True),  # post-norms, q/k norms over all heads
         ("granite", {}, None, True),  # the residual multiplier (and the others, outside the layers)
