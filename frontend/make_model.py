@@ -29,7 +29,14 @@ ARCHS: dict[str, tuple[str, str]] = {
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
 }
+MOE_EXPERTS, MOE_TOP_K = 6, 2  # the MoE archs' defaults (extra_config changes them)
+ROUTER_SCALE = 8.0  # router weights times this: decisive routing, so bf16 picks transformers' experts
 _PRESET_FIELDS = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "max_pos", "shard")
 PRESETS: dict[str, dict[str, Any]] = {
     name: dict(zip(_PRESET_FIELDS, values))
@@ -57,11 +64,23 @@ ROPE_THETA = {
     "olmo2": 500000.0,
     "granite": 10000000.0,
     "phi3": 250000.0,
+    "mixtral": 1000000.0,
+    "qwen2_moe": 1000000.0,
+    "qwen3_moe": 1000000.0,
+    "olmoe": 10000.0,
+    "granitemoe": 10000000.0,
 }
 # Granite 3's multipliers (2B): far from 1, so an engine that skips one is caught by comparisons
 GRANITE_MULTIPLIERS = dict(
     embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0
 )
+
+
+ROUTERS = (
+    "mlp.gate.weight",
+    "moe.gate.weight",
+    "router.layer.weight",
+)  # MoE routers, as transformers names them
 
 
 def _check(cond: bool, message: str) -> None:
@@ -84,6 +103,8 @@ def _perturb_unit_params(model: Any, seed: int) -> None:
                 param.copy_(0.02 * torch.randn(param.shape, generator=gen))
             elif "norm" in name and param.dim() == 1:  # around its init: 1, or 0 for Gemma's 1 + w norms
                 param.add_(0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(ROUTERS):
+                param.mul_(ROUTER_SCALE)
 
 
 def make_config(
@@ -127,7 +148,7 @@ def make_config(
     elif arch in ("qwen2", "qwen3") and sliding_window is not None:
         # Every layer slides: layers numbered >= max_window_layers use the window.
         kwargs.update(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=0)
-    if arch in ("qwen2", "phi3"):
+    if arch in ("qwen2", "phi3", "olmoe"):
         kwargs.pop("head_dim")  # these always use hidden // heads (Qwen2 has qkv bias by construction)
     head = kwargs.get("head_dim") or hidden // heads
     kwargs.update(_family_kwargs(arch, layers, head, kwargs["rope_parameters"], sliding_window))
@@ -161,6 +182,19 @@ def _family_kwargs(
         return dict(use_sliding_window=True, sliding_window=sliding_window)
     if arch == "granite":
         return dict(GRANITE_MULTIPLIERS)
+    if arch in ("mixtral", "granitemoe"):
+        experts = dict(num_local_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K)
+        return experts | (GRANITE_MULTIPLIERS if arch == "granitemoe" else {"sliding_window": sliding_window})
+    if arch in ("qwen2_moe", "qwen3_moe", "olmoe"):
+        experts = dict(num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, decoder_sparse_step=1)
+        if arch == "olmoe":
+            return experts
+        inter = {"moe_intermediate_size": head_dim * 2, "mlp_only_layers": []}
+        return (
+            experts
+            | inter
+            | ({"shared_expert_intermediate_size": head_dim * 3} if arch == "qwen2_moe" else {})
+        )
     if arch == "phi3" and "original_max_position_embeddings" in rope:  # LongRoPE's trained context
         return dict(original_max_position_embeddings=rope["original_max_position_embeddings"])
     return {}

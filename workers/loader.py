@@ -98,6 +98,7 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
     ignored = getattr(model, "ignored_suffixes", ())
     elsewhere = getattr(model, "missing_prefixes", ())  # another pipeline stage's tensors
     tied = getattr(model, "tie_word_embeddings", False)
+    expand = getattr(model, "expand_tensor", None)  # (name, tensor) -> the (name, tensor)s it holds
     seen: dict[str, set] = {}
     # a parameter's modules (a tied head shares the embedding's): those whose method repacks GGUF
     # tensors get the stored bytes, the others their dequantized values
@@ -111,34 +112,38 @@ def load_weights(model: nn.Module, files: list[Path], show_progress: bool = True
     with bar, torch.no_grad():
         for file, name, tensor in tensors:
             bar.update(1)
-            target, shard = renamed(name, renames), None
-            if (
-                target.endswith(ignored)
-                or (tied and target == "lm_head.weight")
-                or target.startswith(elsewhere)
-            ):
-                continue
-            for param_name, ckpt_name, shard_id in stacked:
-                if f".{ckpt_name}." in target:
-                    target, shard = target.replace(f".{ckpt_name}.", f".{param_name}."), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
-                raise WeightLoadError(
-                    f"unexpected tensor {name} {tuple(tensor.shape)} in {file}: "
-                    f"{type(model).__name__} has no such parameter"
-                )
-            try:
-                values = (
-                    load_quantized(owners.get(id(param), []), tensor, shard, param.dtype)
-                    if isinstance(tensor, GGUFTensor)
-                    else tensor
-                )
-                if values is not None:
-                    weight_loader_of(param)(param, values, shard)
-            except ValueError as e:
-                raise WeightLoadError(f"tensor {name} in {file}: {e}") from None
-            seen.setdefault(target, set()).add(shard)
+            pieces = [(renamed(name, renames), tensor)]
+            if expand is not None:  # a tensor that holds several parameters (stacked experts)
+                pieces = list(expand(pieces[0][0], tensor))
+            for target, tensor in pieces:
+                shard = None
+                if (
+                    target.endswith(ignored)
+                    or (tied and target == "lm_head.weight")
+                    or target.startswith(elsewhere)
+                ):
+                    continue
+                for param_name, ckpt_name, shard_id in stacked:
+                    if f".{ckpt_name}." in target:
+                        target, shard = target.replace(f".{ckpt_name}.", f".{param_name}."), shard_id
+                        break
+                param = params.get(target)
+                if param is None:
+                    raise WeightLoadError(
+                        f"unexpected tensor {name} {tuple(tensor.shape)} in {file}: "
+                        f"{type(model).__name__} has no such parameter"
+                    )
+                try:
+                    values = (
+                        load_quantized(owners.get(id(param), []), tensor, shard, param.dtype)
+                        if isinstance(tensor, GGUFTensor)
+                        else tensor
+                    )
+                    if values is not None:
+                        weight_loader_of(param)(param, values, shard)
+                except ValueError as e:
+                    raise WeightLoadError(f"tensor {name} in {file}: {e}") from None
+                seen.setdefault(target, set()).add(shard)
     shards_needed: dict[str, int] = {}
     for param_name, _, _ in stacked:
         shards_needed[param_name] = sum(1 for p, _, _ in stacked if p == param_name)

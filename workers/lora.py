@@ -89,6 +89,8 @@ class LoRAManager:
         }
         for i, layer in enumerate(model.model.layers):
             for target, full_in in in_features.items():
+                if target.startswith("mlp.") and not hasattr(layer.mlp, "gate_up_proj"):
+                    continue  # a mixture of experts: adapters reach its attention only
                 lin = layer.get_submodule(target)
                 assert isinstance(lin, (ColumnLinear, RowLinear)), f"{target} is not a linear layer"
                 if isinstance(lin, ColumnLinear):
@@ -183,6 +185,11 @@ class LoRAManager:
             assert match is not None, f"the core checked every tensor name ({name})"
             layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
             target, segment = TARGETS[module]
+            if (layer, target) not in self.layers:
+                raise LoRAError(
+                    f"LoRA adapter {ref.name!r}: layer {layer}'s MLP is a mixture of experts, whose "
+                    "weights adapters cannot reach in this version"
+                )
             lora, lin = self.layers[(layer, target)]
             value = tensor.to(lora.a.dtype)
             if isinstance(lin, ColumnLinear):

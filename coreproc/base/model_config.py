@@ -31,13 +31,18 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "workers.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
     "GraniteForCausalLM": "workers.models.granite:GraniteForCausalLM",
+    "GraniteMoeForCausalLM": "workers.models.granite_moe:GraniteMoeForCausalLM",
     "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
     "LlavaForConditionalGeneration": "workers.models.llava:LlavaForConditionalGeneration",
     "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
+    "MixtralForCausalLM": "workers.models.mixtral:MixtralForCausalLM",
     "Olmo2ForCausalLM": "workers.models.olmo2:Olmo2ForCausalLM",
+    "OlmoeForCausalLM": "workers.models.olmoe:OlmoeForCausalLM",
     "Phi3ForCausalLM": "workers.models.phi3:Phi3ForCausalLM",
     "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM": "workers.models.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "workers.models.qwen_moe:Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM": "workers.models.smollm3:SmolLM3ForCausalLM",
 }
 # vision-language architectures: config.json nests the language model's config under `text_config`
@@ -206,10 +211,10 @@ def longrope_limit(hf: dict[str, Any]) -> int | None:
 
 def refuse_unsupported(model: ModelConfig, tensor_parallel_size: int) -> None:
     """A combination an architecture cannot run yet, refused at start in one line naming both."""
-    if model.architecture == "Olmo2ForCausalLM" and tensor_parallel_size > 1:
+    if model.architecture in ("Olmo2ForCausalLM", "OlmoeForCausalLM") and tensor_parallel_size > 1:
         raise ConfigError(
-            "Olmo2ForCausalLM cannot run with tensor parallelism in this version (its q/k norms span all "
-            f"heads), got tensor_parallel_size={tensor_parallel_size}",
+            f"{model.architecture} cannot run with tensor parallelism in this version (its q/k norms span "
+            f"all heads), got tensor_parallel_size={tensor_parallel_size}",
             option="tensor_parallel_size",
         )
 

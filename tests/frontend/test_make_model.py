@@ -66,8 +66,8 @@ def test_tiny_checkpoint_loads_and_runs(tiny: dict[str, Path], arch: str) -> Non
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
     ]
     names = {n for n, _ in model.named_parameters()}
-    assert any(n.endswith("q_proj.bias") for n in names) == (arch == "qwen2")
-    assert any("q_norm" in n for n in names) == (arch in ("qwen3", "gemma3", "olmo2"))
+    assert any(n.endswith("q_proj.bias") for n in names) == (arch in ("qwen2", "qwen2_moe"))
+    assert any("q_norm" in n for n in names) == (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe", "olmoe"))
     ids = tokenizer(CODE, return_tensors="pt").input_ids
     assert ids[0, 0].item() == tokenizer.bos_token_id
     assert tokenizer.decode(ids[0], skip_special_tokens=True) == CODE

@@ -28,7 +28,7 @@ from kernels.qgemm import KINDS
 from workers.models.layers import ColumnLinear, PagedAttention, RotaryEmbedding, RowLinear
 from workers.models.llama import LlamaForCausalLM
 from workers.models.ops import NativeCpuOps
-from workers.models.parts import DecoderLayer
+from workers.models.parts import DecoderLayer, DecoderMLP
 from workers.quant.fp8 import Fp8PerTensor
 from workers.quant.gguf import GGUFPacked
 from workers.quant.packed import PackedBf16
@@ -83,6 +83,8 @@ ACTS = {"silu": 0, "gelu_tanh": 1}  # kAct*
 def layer_plan(layer: DecoderLayer, dtype: torch.dtype, index: int = 0) -> FusedLayer | None:
     """The fused op's arguments for one DecoderLayer, or None when part of it is not on the native path."""
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, DecoderMLP):  # experts run on the module path (their own native linears)
+        return None
     norms = layer.norm_modules()
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     rotary = attn.rotary

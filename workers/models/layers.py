@@ -111,11 +111,18 @@ class RowLinear(QuantLayer):
     lora: LoRAHook | None = None
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, tp: TPGroup, quant: QuantMethod | None = None
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        quant: QuantMethod | None = None,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.quant = quant or Unquantized()
+        self.reduce = reduce  # False: the caller reduces (an MoE layer, once for all its experts)
         self.local_in = tp.shard(in_features, "row-parallel input size")
         self.quant.create_weights(self, out_features, self.local_in)
         attach_weight_loader(self.weight, self.weight_loader)
@@ -131,7 +138,8 @@ class RowLinear(QuantLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant.apply(self, x)
-        y = self.tp.all_reduce(y if self.lora is None else self.lora(x, y))
+        y = y if self.lora is None else self.lora(x, y)
+        y = self.tp.all_reduce(y) if self.reduce else y
         return y if self.bias is None else y + self.bias
 
 

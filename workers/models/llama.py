@@ -102,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
             name: RotaryEmbedding(cfg, head_dim, max_positions, layer_type=k) for name, k in kinds.items()
         }
         layers = [
-            DecoderLayer(cfg, tp, self._attention(cfg, tp, backend, rotary, kind, quant), parts, quant)
+            DecoderLayer(cfg, tp, self._attention(cfg, tp, backend, rotary, kind, quant), parts, quant, i)
             if i in held
             else StageMissing()
             for i, kind in enumerate(parts.layers)

@@ -31,6 +31,7 @@ from workers.models.layers import (
     attach_weight_loader,
     default_weight_loader,
 )
+from workers.models.moe import MoEMLP, MoEParts
 from workers.models.ops import OpModule
 from workers.parallel import TPGroup
 from workers.quant.base import QuantMethod
@@ -78,6 +79,12 @@ class DecoderParts:
     logit_divisor: float = 1.0  # the logits divided by this
     attn_softcap: float = 0.0  # attention scores capped to c * tanh(score / c) (Gemma 2); 0: none
     final_softcap: float = 0.0  # the logits capped likewise, after the divisor; 0: none
+    moe: MoEParts | None = None  # experts in place of the dense MLP (moe.py)
+    dense_layers: frozenset[int] = frozenset()  # with `moe`: the layers that keep a dense MLP
+
+    def sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` runs experts."""
+        return self.moe is not None and layer not in self.dense_layers
 
     def __post_init__(self) -> None:
         if self.norms not in NORM_PLACEMENTS:
@@ -195,10 +202,15 @@ class DecoderLayer(nn.Module):
         attn: DecoderAttention,
         parts: DecoderParts,
         quant: QuantMethod | None = None,
+        index: int = 0,
     ) -> None:
         super().__init__()
         self.self_attn = attn
-        self.mlp = DecoderMLP(cfg, tp, parts.act, quant)
+        self.mlp: DecoderMLP | MoEMLP
+        if parts.moe is not None and parts.sparse(index):
+            self.mlp = MoEMLP(cfg, tp, parts.moe, parts.act, quant)
+        else:
+            self.mlp = DecoderMLP(cfg, tp, parts.act, quant)
         self.norms = parts.norms
         self.residual_scale = parts.residual_scale
         for name in LAYER_NORMS[parts.norms]:

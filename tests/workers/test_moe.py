@@ -1,0 +1,184 @@
+"""Mixture-of-experts models (workers/models/moe.py and one file per family) against transformers.
+
+Tiny checkpoints built with transformers' own classes (`ember make-model --arch ...`), routers scaled
+so routing is decisive: Mixtral (renormalized top-2 of 6), Qwen2-MoE (a shared expert behind its
+sigmoid gate), Qwen3-MoE (a dense layer among sparse ones, renormalized), OLMoE (top-3 of 7, q/k
+norms over all heads), Granite-MoE (top-k logits then softmax, stacked 3-D expert tensors, Granite's
+multipliers). Shown per family: float32 greedy tokens equal transformers' over 48 tokens, batched and
+one at a time, logprobs within 1e-4; bf16 on the native ops and int8 experts agree teacher-forced;
+two tensor-parallel ranks (experts split along their intermediate size) and two pipeline stages give
+the same tokens. The MoE layer against a dense reference for skewed routings (every token to one
+expert too), and LoRA: attention adapters equal PEFT, expert adapters refused in one line.
+Run: `pytest -q tests/workers/test_moe.py`.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from coreproc import LLM, SamplingParams
+from tests.hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_greedy
+from tests.workers.test_lora import ATTENTION, make_adapter, peft_greedy
+from workers.models.moe import MoEMLP, MoEParts, route
+from workers.parallel import TPGroup
+
+pytestmark = pytest.mark.model
+
+MAX_NEW = 48
+INT8_MIN_TOP1 = 0.95  # int8 experts: the floor a GGUF Q8_0 file is held to
+MARGIN = 0.02  # float32's best two logprobs closer than this: a near-tie
+SHAPES = dict(hidden=72, heads=6, kv_heads=2, head_dim=12, intermediate=40, layers=3)
+DECISIVE = {"initializer_range": 0.06}  # logits far enough apart that bf16 rounding rarely swaps the top two
+FAMILIES = {
+    "mixtral": {"extra_config": DECISIVE},
+    "qwen2_moe": {"extra_config": DECISIVE},
+    "qwen3_moe": {"extra_config": {**DECISIVE, "mlp_only_layers": [1]}},
+    "olmoe": {"extra_config": {**DECISIVE, "num_experts": 7, "num_experts_per_tok": 3}},
+    "granitemoe": {"extra_config": DECISIVE},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest, make_ckpt) -> tuple[str, Path]:
+    return request.param, make_ckpt(request.param, **{**SHAPES, **FAMILIES[request.param]})
+
+
+@pytest.fixture(scope="module")
+def reference(family) -> tuple[list[list[int]], list[tuple[list[int], list[float]]]]:
+    _, path = family
+    with LLM(str(path), dtype="float32", show_progress=False) as llm:
+        prompts = [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:5]]
+    return prompts, [hf_greedy(str(path), p, MAX_NEW) for p in prompts]
+
+
+def greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return tokens, [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
+
+
+def test_float32_greedy_equals_transformers_batched_and_alone(family, reference) -> None:
+    _, path = family
+    prompts, ref = reference
+    with LLM(str(path), dtype="float32", show_progress=False) as llm:
+        tokens, logprobs = greedy(llm, prompts)
+        alone = [greedy(llm, [p])[0][0] for p in prompts[:2]]
+    check_outputs_equal(tokens, [r[0] for r in ref])
+    check_logprobs_close(logprobs, [r[1] for r in ref])
+    check_outputs_equal(alone, [r[0] for r in ref[:2]])
+
+
+def teacher_forced(path: Path, seqs: list[list[int]], **setup) -> list[dict]:
+    """The engine's prompt logprobs (top 2) of each sequence."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+    with LLM(str(path), show_progress=False, **setup) as llm:
+        return [o.prompt_logprobs for o in llm.generate(seqs, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [{"dtype": "bfloat16"}, {"dtype": "float32", "quantization": "int8"}],
+    ids=["bf16-native", "int8-experts"],
+)
+def test_bf16_and_int8_agree_teacher_forced(family, reference, native_kernels, setup) -> None:
+    """Prompt + float32 continuation: the engine's top-1 next token at each position of the
+    continuation against float32's, where float32's best two differ by at least MARGIN (a tiny random
+    model has near-ties that any rounding may swap: those are left out, at least 60 positions kept)."""
+    _, path = family
+    prompts, ref = reference
+    seqs = [p + r[0] for p, r in zip(prompts, ref)]
+    exact, ours = teacher_forced(path, seqs, dtype="float32"), teacher_forced(path, seqs, **setup)
+    hits = total = ties = 0
+    for prompt, seq, want, got in zip(prompts, seqs, exact, ours):
+        for pos in range(len(prompt), len(seq)):
+            best = sorted((e.logprob for e in want[pos].values()), reverse=True)
+            if best[0] - best[1] < MARGIN:
+                ties += 1
+                continue
+            hits += max(got[pos], key=lambda t: got[pos][t].logprob) == seq[pos]
+            total += 1
+    floor = 0.97 if setup["dtype"] == "bfloat16" else INT8_MIN_TOP1
+    print(f"{family[0]} {setup}: top-1 {hits / total:.3f} over {total} positions ({ties} near-ties apart)")
+    assert hits / total >= floor and total >= 60  # (Granite's logit divisor leaves many near-ties)
+
+
+@pytest.mark.parametrize(
+    "parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
+)
+def test_parallel_ranks_keep_transformers_tokens(family, reference, parallel) -> None:
+    arch, path = family
+    if arch == "olmoe" and "tensor_parallel_size" in parallel:
+        pytest.skip("OLMoE's q/k norms over all heads refuse tensor parallelism (as OLMo 2's)")
+    prompts, ref = reference
+    with LLM(str(path), dtype="float32", show_progress=False, **parallel) as llm:
+        tokens, _ = greedy(llm, prompts[:3])
+    check_outputs_equal(tokens, [r[0] for r in ref[:3]])
+
+
+def dense_reference(layer: MoEMLP, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, weighted by the routing (zero for experts not picked)."""
+    weights, ids = route(layer.gate(x), layer.moe)
+    full = torch.zeros(x.shape[0], layer.moe.num_experts, dtype=torch.float32)
+    full.scatter_(1, ids, weights)
+    out = sum(full[:, e, None] * layer.experts[e](x).float() for e in range(layer.moe.num_experts))
+    if layer.shared_expert is not None:
+        gate = torch.sigmoid(layer.shared_expert_gate(x)) if layer.shared_expert_gate is not None else 1.0
+        out = out + gate * layer.shared_expert(x).float()
+    return out
+
+
+@pytest.mark.parametrize("skew", ["random", "one-expert"])
+@pytest.mark.parametrize(
+    "moe",
+    [
+        MoEParts(8, 2, 24, renormalize=True),
+        MoEParts(5, 3, 16, "topk_softmax"),
+        MoEParts(6, 1, 20, shared_intermediate=12, shared_gate=True),
+    ],
+    ids=["top2-renorm", "top3-topk-softmax", "top1-shared"],
+)
+def test_moe_layer_equals_the_dense_reference(moe: MoEParts, skew: str) -> None:
+    torch.manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=32)
+    layer = MoEMLP(cfg, TPGroup(), moe, "silu", None)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+        if skew == "one-expert":  # every token's best expert is 3
+            layer.gate.weight.zero_()
+            layer.gate.weight[3] = 1.0
+    x = torch.randn(37, 32).abs() if skew == "one-expert" else torch.randn(37, 32)
+    with torch.no_grad():
+        got, expected = layer(x), dense_reference(layer, x)
+    if skew == "one-expert":
+        assert bool((route(layer.gate(x), moe)[1][:, 0] == 3).all())
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_reaches_attention_and_refuses_experts(make_ckpt, tmp_path: Path) -> None:
+    path = make_ckpt("mixtral", **SHAPES)
+    attention = make_adapter(path, tmp_path / "attn", 4, ATTENTION, seed=2)
+    experts = Path(shutil.copytree(attention, tmp_path / "experts"))  # one expert's w1 added to it
+    weights = load_file(experts / "adapter_model.safetensors")
+    weights["base_model.model.model.layers.0.block_sparse_moe.experts.0.w1.lora_A.weight"] = torch.zeros(
+        4, 72
+    )
+    save_file(weights, experts / "adapter_model.safetensors")
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8)
+    with LLM(str(path), dtype="float32", enable_lora=True, show_progress=False) as llm:
+        llm.load_lora("attn", str(attention))
+        prompt = llm.get_tokenizer()(PROMPT_TEXTS[0]).input_ids
+        out = llm.generate([prompt], params, lora_request="attn", use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == peft_greedy(path, attention, prompt)[:8]
+        with pytest.raises(
+            ValueError, match="is not a LoRA weight of a q/k/v/o/gate/up/down projection"
+        ) as info:
+            llm.load_lora("experts", str(experts))
+        assert "\n" not in str(info.value)

@@ -1,0 +1,41 @@
+"""GraniteMoeForCausalLM: Granite's four multipliers with experts in place of each MLP.
+
+Runs in worker processes. The router takes the top-k logits and a softmax over them (moe.py's
+`topk_softmax`). The checkpoint stacks a layer's experts in 3-D tensors: `input_linear` [E, 2I, H]
+(gate then up) and `output_linear` [E, H, I], cut here into each expert's projections, and names the
+router `router.layer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from workers.models.granite import GraniteForCausalLM
+from workers.models.moe import MoEParts
+from workers.models.parts import DecoderParts
+
+STACKED = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    stacked_params = tuple(p for p in GraniteForCausalLM.stacked_params if p[0] != "gate_up_proj")
+
+    @classmethod
+    def decoder_parts(cls, cfg: Any) -> DecoderParts:
+        moe = MoEParts(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, "topk_softmax")
+        return dataclasses.replace(super().decoder_parts(cfg), moe=moe)
+
+    def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
+        stem, _, leaf = name.rpartition(".mlp.")
+        kind = leaf.split(".")[0]
+        if kind not in STACKED:
+            yield name, tensor
+            return
+        for expert in range(tensor.shape[0]):
+            part = tensor[expert] if isinstance(tensor, torch.Tensor) else tensor.expert(expert)
+            yield f"{stem}.mlp.experts.{expert}.{STACKED[kind]}.weight", part
