@@ -1,6 +1,7 @@
 """`ember serve` of each architecture beyond Llama's shape answers the real `openai` client.
 
-A live server per architecture (the tiny checkpoints of tests/workers/test_architectures.py), chat
+A live server per architecture (the tiny checkpoints of tests/workers/test_architectures.py, and
+Mixtral's of tests/workers/test_moe.py), chat
 rendered with the checkpoint's own template: the streamed and the whole answer equal the offline
 engine's greedy tokens for the same rendered prompt.
 Run: `pytest -q tests/e2e/test_architectures_served.py`.
@@ -13,16 +14,22 @@ import pytest
 
 from coreproc import LLM, SamplingParams
 from tests.server_util import start_server, stop_server
-from tests.workers.test_architectures import FAMILIES, SHAPES
+from tests.workers import test_architectures, test_moe
 
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
 
 
-@pytest.mark.parametrize("arch", sorted(FAMILIES))
+SHAPES = {
+    **{a: {**test_architectures.SHAPES, **f} for a, f in test_architectures.FAMILIES.items()},
+    "mixtral": {**test_moe.SHAPES, **test_moe.FAMILIES["mixtral"]},  # a mixture of experts
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SHAPES))
 def test_chat_over_http_equals_the_offline_engine(make_ckpt, arch: str) -> None:
-    path = str(make_ckpt(arch, **{**SHAPES, **FAMILIES[arch]}))
+    path = str(make_ckpt(arch, **SHAPES[arch]))
     with LLM(path, dtype="float32", show_progress=False) as llm:
         ids = llm.get_tokenizer().apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=False)
         expect = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
