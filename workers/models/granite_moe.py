@@ -29,7 +29,7 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
         moe = MoEParts(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, "topk_softmax")
         return dataclasses.replace(super().decoder_parts(cfg), moe=moe)
 
-    def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+    def expand_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
         stem, _, leaf = name.rpartition(".mlp.")
         kind = leaf.split(".")[0]
@@ -37,5 +37,4 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
             yield name, tensor
             return
         for expert in range(tensor.shape[0]):
-            part = tensor[expert] if isinstance(tensor, torch.Tensor) else tensor.expert(expert)
-            yield f"{stem}.mlp.experts.{expert}.{STACKED[kind]}.weight", part
+            yield f"{stem}.mlp.experts.{expert}.{STACKED[kind]}.weight", tensor[expert]

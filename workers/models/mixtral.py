@@ -28,7 +28,7 @@ class MixtralForCausalLM(MistralForCausalLM):
         )
         return dataclasses.replace(super().decoder_parts(cfg), moe=moe)
 
-    def expand_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, Any]]:
+    def expand_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         name = name.replace(".block_sparse_moe.", ".mlp.")
         if ".experts." in name:
             for old, new in EXPERT_NAMES:
