@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
-from coreproc.base.gguf_config import GEMMA3_SWA_THETA, GRANITE_SCALES, no_rope_layers, swa_layer_types
+from coreproc.base.gguf_config import (
+    GEMMA3_SWA_THETA,
+    GRANITE_SCALES,
+    MOE_RENORMALIZED,
+    no_rope_layers,
+    swa_layer_types,
+)
 from workers.gguf.weights import NORM_SHIFTED, PERMUTED, TOP, block_names
 
 ARCHS = {
@@ -36,7 +43,18 @@ ARCHS = {
     "olmo2": "olmo2",
     "granite": "granite",
     "phi3": "phi3",
+    "mixtral": "llama",
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "olmoe": "olmoe",
 }
+MIXTRAL_NAMES = (
+    ("block_sparse_moe.", "mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
+EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 CONTROL, NORMAL = 3, 1
 
@@ -127,6 +145,42 @@ def _family_metadata(writer: GGUFWriter, arch: str, cfg: dict, head_dim: int) ->
                 writer.add_tensor(f"rope_factors_{which}.weight", factors)
 
 
+def _expert_metadata(writer: GGUFWriter, arch: str, cfg: dict) -> None:
+    """llama.cpp's keys of a mixture of experts (Mixtral's `llama` files included)."""
+    count = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not count:
+        return
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError("llama.cpp's MoE files have experts on every layer: no mlp_only_layers, step 1")
+    renormalized = bool(cfg.get("norm_topk_prob", arch == "llama"))  # Mixtral always renormalizes
+    if renormalized != MOE_RENORMALIZED[arch]:
+        raise ValueError(f"llama.cpp's {arch} experts have norm_topk_prob={MOE_RENORMALIZED[arch]} fixed")
+    writer.add_expert_count(int(count))
+    writer.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    if "moe_intermediate_size" in cfg:
+        writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
+
+
+def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors with each layer's experts stacked into one [E, rows, cols] tensor per
+    projection (`model.layers.N.mlp.experts.gate_proj.weight`, llama.cpp's `ffn_gate_exps`)."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        for old, new in MIXTRAL_NAMES if "block_sparse_moe" in name else ():
+            name = name.replace(old, new)
+        found = EXPERT.match(name)
+        if found is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(f"{found[1]}.{found[3]}.weight", {})[int(found[2])] = tensor
+    for name, parts in experts.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
 def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     """Write `model_dir` as the GGUF file `out` with 2-D weights in `qtype`; returns `out`."""
     model_dir, out = Path(model_dir), Path(out)
@@ -156,13 +210,14 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_file_type({"F32": 0, "F16": 1, "BF16": 32}.get(qtype, 7))
     _family_metadata(writer, arch, cfg, head_dim)
+    _expert_metadata(writer, arch, cfg)
     _tokenizer_metadata(writer, model_dir)
     target = GGMLQuantizationType[qtype]
     block = GGML_QUANT_SIZES[target][0]
     state = {}
     for shard in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(shard)))
-    for name, tensor in state.items():
+    for name, tensor in _stacked_experts(state).items():
         if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         tensor = tensor.float()
@@ -172,8 +227,15 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
             tensor = permute_rotary(tensor, kv_heads)
         if arch in NORM_SHIFTED and name.endswith("norm.weight"):
             tensor = tensor + 1.0
+        if name.endswith("shared_expert_gate.weight"):
+            tensor = tensor.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is a vector
         array = tensor.numpy()
-        if array.ndim == 2 and array.shape[-1] % block == 0 and qtype != "F32":
+        if (
+            array.ndim in (2, 3)
+            and array.shape[-1] % block == 0
+            and qtype != "F32"
+            and "mlp.gate." not in name
+        ):
             writer.add_tensor(gguf_name(name, arch), quants.quantize(array, target), raw_dtype=target)
         else:
             writer.add_tensor(gguf_name(name, arch), np.ascontiguousarray(array, dtype=np.float32))

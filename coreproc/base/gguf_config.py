@@ -26,7 +26,13 @@ ARCHITECTURES = {
     "olmo2": ("Olmo2ForCausalLM", "olmo2"),
     "granite": ("GraniteForCausalLM", "granite"),
     "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
 }
+MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a `llama` file with experts
+# mixtures of experts: whether llama.cpp renormalizes the top-k weights (it fixes it per architecture)
+MOE_RENORMALIZED = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE tensors
 # Granite's multipliers: GGUF key -> config.json key
 GRANITE_SCALES = {
@@ -72,7 +78,7 @@ def hf_config(
     missing = [f"{arch}.{k}" for k in REQUIRED if f"{arch}.{k}" not in meta]
     if missing:
         raise ConfigError(f"{source}: GGUF metadata lacks {', '.join(missing)}")
-    cls, model_type = ARCHITECTURES[arch]
+    cls, model_type = MIXTRAL if arch == "llama" and meta.get("llama.expert_count") else ARCHITECTURES[arch]
     cfg: dict[str, Any] = {"architectures": [cls], "model_type": model_type}
     for key, hf_key in HPARAMS.items():
         if f"{arch}.{key}" in meta:
@@ -110,7 +116,32 @@ def hf_config(
     cfg |= _family_config(arch, meta, cfg, rope)
     if arch == "phi3":
         cfg |= _phi3(meta, cfg, rope, rotary / head_dim, factors or {}, source)
+    if meta.get(f"{arch}.expert_count"):
+        cfg |= _experts(arch, meta, cfg)
     return cfg
+
+
+def _experts(arch: str, meta: dict[str, Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture of experts as llama.cpp reads one: the counts, the expert (and shared expert) sizes,
+    every layer sparse, the top-k renormalized as llama.cpp does for the architecture."""
+    if arch not in MOE_RENORMALIZED:
+        raise ConfigError(f"{arch} files with experts are not supported")
+    count, used = int(meta[f"{arch}.expert_count"]), int(meta[f"{arch}.expert_used_count"])
+    size = int(meta.get(f"{arch}.expert_feed_forward_length", cfg["intermediate_size"]))
+    out: dict[str, Any] = {
+        "num_experts": count,
+        "num_local_experts": count,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": size,
+        "norm_topk_prob": MOE_RENORMALIZED[arch],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(meta[f"{arch}.expert_shared_feed_forward_length"])
+    if arch == "olmoe":
+        out["clip_qkv"] = None
+    return out
 
 
 def swa_layer_types(layers: int, pattern: int) -> list[str]:

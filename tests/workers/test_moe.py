@@ -38,7 +38,9 @@ DECISIVE = {"initializer_range": 0.06}  # logits far enough apart that bf16 roun
 FAMILIES = {
     "mixtral": {"extra_config": DECISIVE},
     "qwen2_moe": {"extra_config": DECISIVE},
-    "qwen3_moe": {"extra_config": {**DECISIVE, "mlp_only_layers": [1]}},
+    "qwen3_moe": {
+        "extra_config": {**DECISIVE, "mlp_only_layers": [1], "norm_topk_prob": True}
+    },  # as released
     "olmoe": {"extra_config": {**DECISIVE, "num_experts": 7, "num_experts_per_tok": 3}},
     "granitemoe": {"extra_config": DECISIVE},
 }
@@ -182,3 +184,37 @@ def test_lora_reaches_attention_and_refuses_experts(make_ckpt, tmp_path: Path) -
         ) as info:
             llm.load_lora("experts", str(experts))
         assert "\n" not in str(info.value)
+
+
+GGUF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+@pytest.mark.parametrize("arch", GGUF_FAMILIES)
+def test_gguf_files_give_the_folders_tokens(arch: str, make_ckpt, tmp_path: Path, native_kernels) -> None:
+    """Its GGUF file under llama.cpp's names and keys (experts stacked in `ffn_*_exps`, the router in
+    `ffn_gate_inp`, Qwen2-MoE's `*_shexp`): in F32 the folder's float32 tokens and logprobs; in Q8_0,
+    run in its own bits (bf16), the float32 folder's next token teacher-forced."""
+    from tools.hf_to_gguf import write_gguf
+
+    extra = {k: v for k, v in FAMILIES[arch]["extra_config"].items() if k != "mlp_only_layers"}
+    folder = make_ckpt(arch, **{**SHAPES, "extra_config": extra})  # llama.cpp's: experts on every layer
+    runs, prompts = [], []
+    for source in (folder, write_gguf(folder, tmp_path / f"{arch}.gguf")):
+        with LLM(str(source), dtype="float32", show_progress=False) as llm:
+            prompts = prompts or [llm.get_tokenizer()(t).input_ids for t in PROMPT_TEXTS[:3]]
+            runs.append(greedy(llm, prompts))
+    (tokens, logprobs), (gguf_tokens, gguf_logprobs) = runs
+    check_outputs_equal(gguf_tokens, tokens)
+    check_logprobs_close(gguf_logprobs, logprobs)
+    q8 = write_gguf(folder, tmp_path / f"{arch}-q8_0.gguf", "Q8_0")
+    seqs = [p + t for p, t in zip(prompts, tokens)]
+    exact, ours = teacher_forced(folder, seqs, dtype="float32"), teacher_forced(q8, seqs, dtype="bfloat16")
+    hits = total = 0
+    for prompt, seq, want, got in zip(prompts, seqs, exact, ours):
+        for pos in range(len(prompt), len(seq)):
+            best = sorted((e.logprob for e in want[pos].values()), reverse=True)
+            if best[0] - best[1] >= MARGIN:
+                hits += max(got[pos], key=lambda t: got[pos][t].logprob) == seq[pos]
+                total += 1
+    print(f"{arch} Q8_0: top-1 {hits / total:.3f} over {total} positions")
+    assert hits / total >= 0.95 and total >= 40

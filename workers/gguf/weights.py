@@ -14,6 +14,7 @@ by rows, for a quantization method to repack.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,6 +42,16 @@ BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, the experts stacked in 3-D tensors (the model cuts them:
+    # moe.split_experts), the shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 
 
@@ -173,8 +184,8 @@ def iter_gguf(gguf: GGUFFile, native: bool = False) -> Iterator[tuple[str, str, 
         kind = name.split(".")[-2] if name.startswith("blk.") else ""
         permute = arch in PERMUTED and kind in heads and heads[kind]
         tensor: torch.Tensor | GGUFTensor
-        if native and len(info.shape) == 2 and info.qtype in REPACKABLE:
-            n, k = (int(s) for s in info.shape)
+        if native and len(info.shape) in (2, 3) and info.qtype in REPACKABLE:
+            n, k = math.prod(int(s) for s in info.shape[:-1]), int(info.shape[-1])  # experts: rows of all
             raw = raw_bytes(gguf, info)
             try:
                 need = nbytes(info.qtype, (n, k))

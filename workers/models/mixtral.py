@@ -11,10 +11,8 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from workers.models.mistral import MistralForCausalLM
-from workers.models.moe import MoEParts
+from workers.models.moe import MoEParts, split_experts
 from workers.models.parts import DecoderParts
 
 EXPERT_NAMES = ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
@@ -28,9 +26,11 @@ class MixtralForCausalLM(MistralForCausalLM):
         )
         return dataclasses.replace(super().decoder_parts(cfg), moe=moe)
 
-    def expand_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's expert names as the MoE layer's; a GGUF file's stacked experts cut."""
         name = name.replace(".block_sparse_moe.", ".mlp.")
         if ".experts." in name:
             for old, new in EXPERT_NAMES:
                 name = name.replace(old, new)
-        yield name, tensor
+        assert self.parts.moe is not None
+        yield from split_experts(name, tensor, self.parts.moe.num_experts)

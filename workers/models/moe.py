@@ -15,6 +15,8 @@ intermediate dimension is split across ranks; the partial sums meet in one all-r
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,8 @@ from workers.parallel import TPGroup
 from workers.quant.base import QuantMethod
 
 SCORINGS = ("softmax", "topk_softmax")
+# a layer's experts stacked in one tensor (a GGUF file's `ffn_*_exps`, read under these names)
+STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,25 @@ def route(logits: torch.Tensor, moe: MoEParts) -> tuple[torch.Tensor, torch.Tens
     if moe.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def split_experts(name: str, tensor: Any, num_experts: int) -> Iterator[tuple[str, Any]]:
+    """A checkpoint tensor as the parameters it holds: a stacked [E, rows, cols] tensor (a float
+    tensor, or a GGUF file's quantized rows of every expert) cut into each expert's, a shared
+    expert's gate stored as a vector given its one row; anything else as it is."""
+    found = STACKED.match(name)
+    if found is None:
+        if name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+            tensor = tensor.reshape(1, -1)
+        yield name, tensor
+        return
+    rows = tensor.shape[0] // num_experts  # a GGUF tensor comes with every expert's rows in one
+    for expert in range(num_experts):
+        part = tensor[expert] if isinstance(tensor, torch.Tensor) and tensor.dim() == 3 else None
+        yield (
+            f"{found[1]}.{expert}.{found[2]}.weight",
+            part if part is not None else tensor.narrow_rows(expert * rows, rows),
+        )
 
 
 class Expert(OpModule):
