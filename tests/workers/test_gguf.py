@@ -212,7 +212,7 @@ def test_unsupported_architecture_and_tensor_type_are_named(tmp_path):
 
 @pytest.mark.e2e
 def test_cli_names_the_problem_in_one_line(tmp_path):
-    path = _write(tmp_path / "m.gguf", "phi3", {"token_embd.weight": (np.zeros((3, 32), np.float32), None)})
+    path = _write(tmp_path / "m.gguf", "falcon", {"token_embd.weight": (np.zeros((3, 32), np.float32), None)})
     proc = subprocess.run(
         [sys.executable, "-m", "frontend.cli", "generate", "--model", str(path), "hello"],
         capture_output=True,
@@ -221,7 +221,7 @@ def test_cli_names_the_problem_in_one_line(tmp_path):
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "unsupported GGUF architecture 'phi3'" in lines[0], proc.stderr
+    assert len(lines) == 1 and "unsupported GGUF architecture 'falcon'" in lines[0], proc.stderr
 
 
 def test_fingerprint_covers_gguf_files(gguf_of, tmp_path):
