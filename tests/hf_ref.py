@@ -107,3 +107,48 @@ def check_greedy_close(ours: list[Greedy], ref: list[Greedy], tie: float, atol: 
         else:
             assert len(toks_a) == len(toks_b), f"prompt {i}: {len(toks_a)} tokens against {len(toks_b)}"
     return parted
+
+
+def engine_greedy(
+    llm: Any, prompts: list[list[int]], max_new: int
+) -> tuple[list[list[int]], list[list[float]]]:
+    """An Ember engine's greedy tokens (EOS suppressed, as `hf_greedy`) and the logprob of each."""
+    from coreproc import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, min_tokens=max_new, logprobs=0)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return tokens, [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
+
+
+def teacher_forced(llm: Any, seqs: list[list[int]], top: int = 1) -> list[list[Any]]:
+    """An Ember engine's prompt logprobs (its `top` best at each position) of each sequence."""
+    from coreproc import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=top)
+    return [o.prompt_logprobs for o in llm.generate(seqs, params, use_tqdm=False)]
+
+
+def top1_agreement(
+    ours: list[list[Any]],
+    seqs: list[list[int]],
+    starts: list[int],
+    exact: list[list[Any]] | None = None,
+    margin: float = 0.0,
+) -> tuple[int, int, int]:
+    """Teacher-forced: at each position of each sequence from its start, whether the engine's best
+    token (`ours`, from `teacher_forced`) is the sequence's. With `exact` (a reference run's top-2
+    prompt logprobs), positions whose two best are closer than `margin` are near-ties, left out.
+    Returns (agreeing, counted, near-ties)."""
+    hits = total = ties = 0
+    for i, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
+        for pos in range(start, len(seq)):
+            if exact is not None:
+                best = sorted((e.logprob for e in exact[i][pos].values()), reverse=True)
+                if best[0] - best[1] < margin:
+                    ties += 1
+                    continue
+            entry = ours[i][pos]
+            hits += max(entry, key=lambda t: entry[t].logprob) == seq[pos]
+            total += 1
+    return hits, total, ties

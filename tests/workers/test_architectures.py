@@ -23,9 +23,17 @@ from pathlib import Path
 
 import pytest
 
-from coreproc import LLM, SamplingParams
+from coreproc import LLM
 from coreproc.base.errors import ConfigError
-from tests.hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_greedy
+from tests.hf_ref import (
+    PROMPT_TEXTS,
+    check_logprobs_close,
+    check_outputs_equal,
+    engine_greedy,
+    hf_greedy,
+    teacher_forced,
+    top1_agreement,
+)
 from tools.hf_to_gguf import write_gguf
 
 pytestmark = pytest.mark.model
@@ -68,10 +76,7 @@ def reference(family) -> tuple[list[list[int]], list[tuple[list[int], list[float
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return tokens, [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
+    return engine_greedy(llm, prompts, MAX_NEW)
 
 
 @pytest.mark.parametrize("setup", [{}, {"max_num_batched_tokens": 16}], ids=["default", "chunked"])
@@ -129,16 +134,9 @@ def test_bf16_on_the_native_ops_agrees_teacher_forced(family, reference, native_
     _, path = family
     prompts, ref = reference
     seqs = [p + r[0] for p, r in zip(prompts, ref)]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     with LLM(str(path), dtype="bfloat16", show_progress=False) as llm:
         assert llm.engine.executor.worker.linear_kernel == "cpu_bf16"
-        outs = llm.generate(seqs, params, use_tqdm=False)
-    hits = total = 0
-    for prompt, seq, out in zip(prompts, seqs, outs):
-        for pos in range(len(prompt), len(seq)):
-            entry = out.prompt_logprobs[pos]
-            top = max(entry, key=lambda t: entry[t].logprob)
-            hits, total = hits + (top == seq[pos]), total + 1
+        hits, total, _ = top1_agreement(teacher_forced(llm, seqs), seqs, [len(p) for p in prompts])
     print(f"{family[0]}: bf16 top-1 {hits / total:.3f} over {total} positions")
     assert hits / total >= BF16_MIN_TOP1
 

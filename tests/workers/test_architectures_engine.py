@@ -18,7 +18,7 @@ import pytest
 
 from coreproc import LLM, SamplingParams
 from coreproc.base.protocol import StructuredSpec
-from tests.hf_ref import PROMPT_TEXTS
+from tests.hf_ref import PROMPT_TEXTS, teacher_forced, top1_agreement
 from tests.workers.test_architectures import FAMILIES, MAX_NEW, SHAPES
 from tests.workers.test_lora import ATTENTION, make_adapter, peft_greedy
 from tests.workers.test_preload import free_port, start_preload, stop
@@ -52,15 +52,9 @@ def test_quantized_weights_and_fp8_kv_agree_teacher_forced(family, continued, se
     position of the continuation against float32's."""
     _, path = family
     seqs = [p + c for p, c in continued]
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     with LLM(str(path), dtype="float32", show_progress=False, **setup) as llm:
-        outs = llm.generate(seqs, params, use_tqdm=False)
-    hits = total = 0
-    for (prompt, _), seq, out in zip(continued, seqs, outs):
-        for pos in range(len(prompt), len(seq)):
-            entry = out.prompt_logprobs[pos]
-            hits += max(entry, key=lambda t: entry[t].logprob) == seq[pos]
-            total += 1
+        ours = teacher_forced(llm, seqs)
+    hits, total, _ = top1_agreement(ours, seqs, [len(p) for p, _ in continued])
     print(f"{family[0]} {setup}: top-1 {hits / total:.3f} over {total} positions")
     assert hits / total >= QUANTIZED_MIN_TOP1
 

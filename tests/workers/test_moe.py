@@ -23,7 +23,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from coreproc import LLM, SamplingParams
-from tests.hf_ref import PROMPT_TEXTS, check_logprobs_close, check_outputs_equal, hf_greedy
+from tests.hf_ref import (
+    PROMPT_TEXTS,
+    check_logprobs_close,
+    check_outputs_equal,
+    engine_greedy,
+    hf_greedy,
+    teacher_forced,
+    top1_agreement,
+)
 from tests.workers.test_lora import ATTENTION, make_adapter, peft_greedy
 from workers.models.moe import MoEMLP, MoEParts, route
 from workers.parallel import TPGroup
@@ -60,10 +68,7 @@ def reference(family) -> tuple[list[list[int]], list[tuple[list[int], list[float
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    return tokens, [[next(iter(p.values())).logprob for p in o.outputs[0].logprobs] for o in outs]
+    return engine_greedy(llm, prompts, MAX_NEW)
 
 
 def test_float32_greedy_equals_transformers_batched_and_alone(family, reference) -> None:
@@ -77,11 +82,10 @@ def test_float32_greedy_equals_transformers_batched_and_alone(family, reference)
     check_outputs_equal(alone, [r[0] for r in ref[:2]])
 
 
-def teacher_forced(path: Path, seqs: list[list[int]], **setup) -> list[dict]:
-    """The engine's prompt logprobs (top 2) of each sequence."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
+def top2(path: Path, seqs: list[list[int]], **setup) -> list[list]:
+    """An engine's two best prompt logprobs at each position of each sequence."""
     with LLM(str(path), show_progress=False, **setup) as llm:
-        return [o.prompt_logprobs for o in llm.generate(seqs, params, use_tqdm=False)]
+        return teacher_forced(llm, seqs, top=2)
 
 
 @pytest.mark.parametrize(
@@ -96,16 +100,8 @@ def test_bf16_and_int8_agree_teacher_forced(family, reference, native_kernels, s
     _, path = family
     prompts, ref = reference
     seqs = [p + r[0] for p, r in zip(prompts, ref)]
-    exact, ours = teacher_forced(path, seqs, dtype="float32"), teacher_forced(path, seqs, **setup)
-    hits = total = ties = 0
-    for prompt, seq, want, got in zip(prompts, seqs, exact, ours):
-        for pos in range(len(prompt), len(seq)):
-            best = sorted((e.logprob for e in want[pos].values()), reverse=True)
-            if best[0] - best[1] < MARGIN:
-                ties += 1
-                continue
-            hits += max(got[pos], key=lambda t: got[pos][t].logprob) == seq[pos]
-            total += 1
+    exact, ours = top2(path, seqs, dtype="float32"), top2(path, seqs, **setup)
+    hits, total, ties = top1_agreement(ours, seqs, [len(p) for p in prompts], exact, MARGIN)
     floor = 0.97 if setup["dtype"] == "bfloat16" else INT8_MIN_TOP1
     print(f"{family[0]} {setup}: top-1 {hits / total:.3f} over {total} positions ({ties} near-ties apart)")
     assert hits / total >= floor and total >= 60  # (Granite's logit divisor leaves many near-ties)
@@ -208,13 +204,7 @@ def test_gguf_files_give_the_folders_tokens(arch: str, make_ckpt, tmp_path: Path
     check_logprobs_close(gguf_logprobs, logprobs)
     q8 = write_gguf(folder, tmp_path / f"{arch}-q8_0.gguf", "Q8_0")
     seqs = [p + t for p, t in zip(prompts, tokens)]
-    exact, ours = teacher_forced(folder, seqs, dtype="float32"), teacher_forced(q8, seqs, dtype="bfloat16")
-    hits = total = 0
-    for prompt, seq, want, got in zip(prompts, seqs, exact, ours):
-        for pos in range(len(prompt), len(seq)):
-            best = sorted((e.logprob for e in want[pos].values()), reverse=True)
-            if best[0] - best[1] >= MARGIN:
-                hits += max(got[pos], key=lambda t: got[pos][t].logprob) == seq[pos]
-                total += 1
+    exact, ours = top2(folder, seqs, dtype="float32"), top2(q8, seqs, dtype="bfloat16")
+    hits, total, _ = top1_agreement(ours, seqs, [len(p) for p in prompts], exact, MARGIN)
     print(f"{arch} Q8_0: top-1 {hits / total:.3f} over {total} positions")
     assert hits / total >= 0.95 and total >= 40
