@@ -12,13 +12,16 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from workers.models.granite import GraniteForCausalLM
 from workers.models.moe import MoEParts
 from workers.models.parts import DecoderParts
 
-STACKED = {"input_linear": "gate_up_proj", "output_linear": "down_proj"}
+RENAMES = (
+    (".block_sparse_moe.", ".mlp."),
+    (".mlp.router.layer.", ".mlp.gate."),
+    (".mlp.input_linear.", ".mlp.experts.gate_up_proj."),
+    (".mlp.output_linear.", ".mlp.experts.down_proj."),
+)
 
 
 class GraniteMoeForCausalLM(GraniteForCausalLM):
@@ -29,12 +32,8 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
         moe = MoEParts(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, "topk_softmax")
         return dataclasses.replace(super().decoder_parts(cfg), moe=moe)
 
-    def expand_tensor(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        name = name.replace(".block_sparse_moe.", ".mlp.").replace(".mlp.router.layer.", ".mlp.gate.")
-        stem, _, leaf = name.rpartition(".mlp.")
-        kind = leaf.split(".")[0]
-        if kind not in STACKED:
-            yield name, tensor
-            return
-        for expert in range(tensor.shape[0]):
-            yield f"{stem}.mlp.experts.{expert}.{STACKED[kind]}.weight", tensor[expert]
+    def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        """Granite's names as the MoE layer's: its stacked experts are cut as any (moe.split_experts)."""
+        for old, new in RENAMES:
+            name = name.replace(old, new)
+        yield from super().expand_tensor(name, tensor)

@@ -21,6 +21,7 @@ from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
 from workers.models.layers import LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from workers.models.moe import split_experts
 from workers.models.parts import DecoderAttention, DecoderLayer, DecoderParts, LayerKind, activation, norm
 from workers.parallel import PPGroup, TPGroup
 from workers.quant.base import QuantMethod
@@ -178,6 +179,14 @@ class LlamaForCausalLM(nn.Module):
         for i, kv_cache in zip(self.held, kv_caches, strict=True):
             x = layers[i](positions, x, kv_cache, meta.for_layer(i))
         return self.model.norm(x) if self.pp.is_last else x
+
+    def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
+        """The parameters a checkpoint tensor holds (the loader's hook): a mixture of experts' stacked
+        experts (a GGUF file's `ffn_*_exps`) cut into each expert's; any other tensor as it is."""
+        if self.parts.moe is None:
+            yield name, tensor
+        else:
+            yield from split_experts(name, tensor, self.parts.moe.num_experts)
 
     def held_layers(self) -> list[DecoderLayer]:
         """The decoder layers this pipeline stage holds (every layer of a single stage), in order."""

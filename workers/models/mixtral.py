@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from workers.models.mistral import MistralForCausalLM
-from workers.models.moe import MoEParts, split_experts
+from workers.models.moe import MoEParts
 from workers.models.parts import DecoderParts
 
 EXPERT_NAMES = ((".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
@@ -32,5 +32,4 @@ class MixtralForCausalLM(MistralForCausalLM):
         if ".experts." in name:
             for old, new in EXPERT_NAMES:
                 name = name.replace(old, new)
-        assert self.parts.moe is not None
-        yield from split_experts(name, tensor, self.parts.moe.num_experts)
+        yield from super().expand_tensor(name, tensor)

@@ -31,7 +31,7 @@ from workers.quant.base import QuantMethod
 
 SCORINGS = ("softmax", "topk_softmax")
 # a layer's experts stacked in one tensor (a GGUF file's `ffn_*_exps`, read under these names)
-STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_proj|up_proj|gate_up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)

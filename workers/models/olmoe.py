@@ -8,11 +8,10 @@ head on one rank: tensor parallelism is refused for it, as for OLMo 2). `clip_qk
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 from workers.models.llama import LlamaForCausalLM
-from workers.models.moe import MoEParts, split_experts
+from workers.models.moe import MoEParts
 from workers.models.parts import DecoderParts
 
 
@@ -28,8 +27,3 @@ class OlmoeForCausalLM(LlamaForCausalLM):
             renormalize=bool(cfg.norm_topk_prob),
         )
         return dataclasses.replace(super().decoder_parts(cfg), qk_norm="all", moe=moe)
-
-    def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
-        """A GGUF file's stacked experts cut into each expert's (moe.split_experts)."""
-        assert self.parts.moe is not None
-        yield from split_experts(name, tensor, self.parts.moe.num_experts)

@@ -10,10 +10,9 @@ slides its window only with `use_sliding_window`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
-from workers.models.moe import MoEParts, split_experts
+from workers.models.moe import MoEParts
 from workers.models.parts import DecoderParts, LayerKind
 from workers.models.qwen2 import Qwen2ForCausalLM
 from workers.models.qwen3 import Qwen3ForCausalLM
@@ -44,15 +43,8 @@ class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
     def decoder_parts(cls, cfg: Any) -> DecoderParts:
         return qwen_moe(cfg, super().decoder_parts(cfg), int(cfg.shared_expert_intermediate_size))
 
-    def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
-        """A GGUF file's stacked experts cut into each expert's (moe.split_experts)."""
-        assert self.parts.moe is not None
-        yield from split_experts(name, tensor, self.parts.moe.num_experts)
-
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     @classmethod
     def decoder_parts(cls, cfg: Any) -> DecoderParts:
         return qwen_moe(cfg, super().decoder_parts(cfg))
-
-    expand_tensor = Qwen2MoeForCausalLM.expand_tensor
