@@ -164,14 +164,14 @@ class Scheduler:
             req.in_workers = False
         self.waiting.add(req)
 
-    def _schedule_spec(self, req: Request, budget: int, plan: StepPlan) -> int:
+    def _schedule_spec(self, req: Request, plan: StepPlan) -> int:
         """Add a decoding request's proposed tokens to its step if budget, length limits and blocks
         allow (never past max_tokens or max_model_len); returns the tokens added."""
         params = req.sampling_params
         room = self.max_model_len - req.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - req.num_output_tokens - 1)
-        k = min(len(req.spec_token_ids), budget, room)
+        k = min(len(req.spec_token_ids), plan.budget, room)
         if k <= 0:
             return 0
         extra = self.kv.allocate_slots(req, 1 + k + self.lookahead)  # last token, proposals, lookahead
@@ -256,7 +256,7 @@ class Scheduler:
             plan.budget -= n
             i += 1
             if req.spec_token_ids and n == 1:
-                plan.budget -= self._schedule_spec(req, plan.budget, plan)
+                plan.budget -= self._schedule_spec(req, plan)
             elif self.lookahead:
                 self._reserve_lookahead(req, n, plan)
 
