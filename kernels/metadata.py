@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     views: tuple[AttentionMetadata, ...] = ()  # one per KV group when there are several
-    layer_group: tuple[int, ...] = field(default=())  # each layer's KV group (empty: one group)
+    layer_group: tuple[int, ...] = ()  # each layer's KV group (empty: one group)
 
     @property
     def num_reqs(self) -> int:

@@ -139,8 +139,6 @@ def _experts(arch: str, meta: dict[str, Any], cfg: dict[str, Any]) -> dict[str, 
     }
     if arch == "qwen2moe":
         out["shared_expert_intermediate_size"] = int(meta[f"{arch}.expert_shared_feed_forward_length"])
-    if arch == "olmoe":
-        out["clip_qkv"] = None
     return out
 
 
