@@ -34,7 +34,9 @@ ARCHS: dict[str, tuple[str, str]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
+MOE_ARCHS = ("glm4_moe", "granitemoe", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
 MOE_EXPERTS, MOE_TOP_K = 6, 2  # the MoE archs' defaults (extra_config changes them)
 ROUTER_SCALE = 8.0  # router weights times this: decisive routing, so bf16 picks transformers' experts
 _PRESET_FIELDS = ("vocab", "hidden", "layers", "heads", "kv_heads", "intermediate", "max_pos", "shard")
@@ -69,6 +71,7 @@ ROPE_THETA = {
     "qwen3_moe": 1000000.0,
     "olmoe": 10000.0,
     "granitemoe": 10000000.0,
+    "glm4_moe": 1000000.0,
 }
 # Granite 3's multipliers (2B): far from 1, so an engine that skips one is caught by comparisons
 GRANITE_MULTIPLIERS = dict(
@@ -195,9 +198,27 @@ def _family_kwargs(
             | inter
             | ({"shared_expert_intermediate_size": head_dim * 3} if arch == "qwen2_moe" else {})
         )
+    if arch == "glm4_moe":  # GLM-4.5's routing at small sizes: 2 of 4 groups, the first layer dense
+        return dict(
+            n_routed_experts=MOE_EXPERTS + 2, num_experts_per_tok=MOE_TOP_K + 1, n_group=4, topk_group=2,
+            n_shared_experts=1, moe_intermediate_size=head_dim * 2, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True, attention_bias=True,
+            rope_parameters={**rope, "partial_rotary_factor": 0.5},
+        )  # fmt: skip
     if arch == "phi3" and "original_max_position_embeddings" in rope:  # LongRoPE's trained context
         return dict(original_max_position_embeddings=rope["original_max_position_embeddings"])
     return {}
+
+
+def expert_config(arch: str, experts: int | None, top_k: int | None) -> dict[str, Any] | None:
+    """The config fields that set a MoE arch's expert count and top-k (None: the defaults)."""
+    if experts is None and top_k is None:
+        return None
+    _check(arch in MOE_ARCHS, f"--experts and --experts-per-token are for {', '.join(MOE_ARCHS)}")
+    keys = {"mixtral": "num_local_experts", "granitemoe": "num_local_experts", "glm4_moe": "n_routed_experts"}
+    key = keys.get(arch, "num_experts")
+    out: dict[str, Any] = {key: experts} if experts is not None else {}
+    return out | ({"num_experts_per_tok": top_k} if top_k is not None else {})
 
 
 def build_checkpoint(
@@ -306,6 +327,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in ("layers", "hidden", "heads", "kv-heads", "intermediate", "vocab", "head-dim"):
         parser.add_argument(f"--{flag}", type=int, default=None, help="override the size preset")
     parser.add_argument("--max-position-embeddings", type=int, default=None)
+    parser.add_argument("--experts", type=int, default=None, help=f"MoE: experts per layer ({MOE_EXPERTS})")
+    parser.add_argument("--experts-per-token", type=int, default=None, help=f"MoE: top-k ({MOE_TOP_K})")
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
@@ -344,6 +367,7 @@ def run(args: argparse.Namespace) -> int:
                 rope_parameters=rope,
                 sliding_window=args.sliding_window,
                 max_shard_size=args.max_shard_size,
+                extra_config=expert_config(args.arch, args.experts, args.experts_per_token),
             )
         )
     except ValueError as exc:

@@ -37,6 +37,7 @@ SOURCES = tuple(
         "cpu_weights.cpp",
         "cpu_attention.cpp",
         "cpu_layer_ops.cpp",
+        "cpu_moe.cpp",
         "cpu_decoder.cpp",
     )
 )

@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a GGUF file that Ember and llama.cpp both run (transformers and vLLM run --model, its "
         "dequantized folder); without it llama.cpp runs --model converted to GGUF in --dtype",
     )
+    p.add_argument(
+        "--quantize",
+        default=None,
+        metavar="TYPE",
+        help="without --gguf: convert --model with llama.cpp's converter, quantize it to TYPE (Q4_K_M, "
+        "Q8_0, ...) with its llama-quantize, and run Ember and llama.cpp on that file",
+    )
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every peer (also OMP_NUM_THREADS)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument(
@@ -313,12 +320,26 @@ def run_peer(peer: str, args: argparse.Namespace, job: Path, run_dir: Path) -> P
     )
 
 
+def quantized_file(args: argparse.Namespace, model_dir: Path) -> Path:
+    """--model converted by llama.cpp's converter (bf16) and quantized to --quantize by llama-quantize."""
+    work, jobs = Path(args.work_dir).expanduser(), os.cpu_count() or 1
+    _, src = install.llamacpp_build(work, install=not args.no_install, jobs=jobs)
+    converted = install.convert_gguf(work, src, model_dir, "bf16")
+    return install.quantize_gguf(work, converted, args.quantize, jobs)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = Path(args.model).resolve()
     if not (model_dir / "config.json").is_file():
         print(f"error: {model_dir} is not a checkpoint folder (no config.json)", file=sys.stderr)
         return 2
+    if args.quantize and not args.gguf:
+        try:
+            args.gguf = str(quantized_file(args, model_dir))
+        except PeerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.work_dir).expanduser() / "runs" / f"{stamp}-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,8 @@ OUT.gguf [--type Q8_0]`. Metadata under llama.cpp's keys (hyperparameters, the b
 tokenizer's tokens, merges, token types, special ids and chat template), tensors under llama.cpp's
 names, q/k rows permuted where llama.cpp's converter permutes them (Llama and the models derived from
 it), Gemma's norm weights stored as 1 + w, the families' own keys (Gemma 3's window, Granite's
-multipliers); Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM3, OLMo 2 and Granite folders; 2-D weights
+multipliers); Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM3, OLMo 2, Granite, Phi-3 and the
+mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE) folders; 2-D weights
 quantized with the `gguf` package's reference quantizer (norms and biases stay F32). The `gguf`
 package writes the file (`GGUFWriter`). Only types that package can quantize: F32, F16, BF16, Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1.
@@ -47,6 +48,7 @@ ARCHS = {
     "qwen2_moe": "qwen2moe",
     "qwen3_moe": "qwen3moe",
     "olmoe": "olmoe",
+    "granitemoe": "granitemoe",
 }
 MIXTRAL_NAMES = (
     ("block_sparse_moe.", "mlp."),
@@ -54,6 +56,11 @@ MIXTRAL_NAMES = (
     (".w3.", ".up_proj."),
     (".w2.", ".down_proj."),
 )
+GRANITE_NAMES = (
+    ("block_sparse_moe.router.layer.", "mlp.gate."),
+    ("block_sparse_moe.output_linear.", "mlp.experts.down_proj."),
+)
+GRANITE_GATE_UP = re.compile(r"^(.*)\.block_sparse_moe\.input_linear\.weight$")  # [E, 2I, H], gate first
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
 WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 CONTROL, NORMAL = 3, 1
@@ -132,7 +139,7 @@ def _family_metadata(writer: GGUFWriter, arch: str, cfg: dict, head_dim: int) ->
     if arch == "smollm3":
         if cfg.get("no_rope_layers") != no_rope_layers(cfg["num_hidden_layers"]):
             raise ValueError("llama.cpp's SmolLM3 has no rotary on every fourth layer, exactly")
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         for key, hf in GRANITE_SCALES.items():
             writer.add_float32(f"{arch}.{key}", float(cfg[hf]))
     if arch == "phi3":  # as llama.cpp's converter: 0 for no window, LongRoPE's factors as tensors
@@ -152,7 +159,8 @@ def _expert_metadata(writer: GGUFWriter, arch: str, cfg: dict) -> None:
         return
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
         raise ValueError("llama.cpp's MoE files have experts on every layer: no mlp_only_layers, step 1")
-    renormalized = bool(cfg.get("norm_topk_prob", arch == "llama"))  # Mixtral always renormalizes
+    # Mixtral and Granite always renormalize (Granite: a softmax over the top-k logits)
+    renormalized = bool(cfg.get("norm_topk_prob", arch in ("llama", "granitemoe")))
     if renormalized != MOE_RENORMALIZED[arch]:
         raise ValueError(f"llama.cpp's {arch} experts have norm_topk_prob={MOE_RENORMALIZED[arch]} fixed")
     writer.add_expert_count(int(count))
@@ -169,7 +177,12 @@ def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
-        for old, new in MIXTRAL_NAMES if "block_sparse_moe" in name else ():
+        if granite := GRANITE_GATE_UP.match(name):  # Granite's experts come stacked, gate and up in one
+            gate, up = tensor.chunk(2, dim=1)
+            out[f"{granite[1]}.mlp.experts.gate_proj.weight"] = gate
+            out[f"{granite[1]}.mlp.experts.up_proj.weight"] = up
+            continue
+        for old, new in GRANITE_NAMES + MIXTRAL_NAMES if "block_sparse_moe" in name else ():
             name = name.replace(old, new)
         found = EXPERT.match(name)
         if found is None:

@@ -29,10 +29,11 @@ ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a `llama` file with experts
 # mixtures of experts: whether llama.cpp renormalizes the top-k weights (it fixes it per architecture)
-MOE_RENORMALIZED = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+MOE_RENORMALIZED = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "granitemoe": True}
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE tensors
 # Granite's multipliers: GGUF key -> config.json key
 GRANITE_SCALES = {
@@ -137,6 +138,8 @@ def _experts(arch: str, meta: dict[str, Any], cfg: dict[str, Any]) -> dict[str, 
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
+    if arch == "granitemoe" and meta.get(f"{arch}.expert_shared_feed_forward_length"):
+        raise ConfigError("granitemoe files with a shared expert (GraniteMoeShared) are not supported")
     if arch == "qwen2moe":
         out["shared_expert_intermediate_size"] = int(meta[f"{arch}.expert_shared_feed_forward_length"])
     return out
@@ -174,7 +177,7 @@ def _family_config(arch: str, meta: dict[str, Any], cfg: dict[str, Any], rope: d
         }
     if arch == "smollm3":
         return {"no_rope_layers": no_rope_layers(layers)}
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         return {hf: meta[f"{arch}.{key}"] for key, hf in GRANITE_SCALES.items() if f"{arch}.{key}" in meta}
     return {}
 

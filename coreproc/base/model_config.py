@@ -30,6 +30,7 @@ DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "workers.models.gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
+    "Glm4MoeForCausalLM": "workers.models.glm4_moe:Glm4MoeForCausalLM",
     "GraniteForCausalLM": "workers.models.granite:GraniteForCausalLM",
     "GraniteMoeForCausalLM": "workers.models.granite_moe:GraniteMoeForCausalLM",
     "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",

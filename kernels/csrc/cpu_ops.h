@@ -1,5 +1,5 @@
 // The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_amx.cpp, cpu_qgemm.cpp,
-// cpu_attention.cpp, cpu_layer_ops.cpp and cpu_weights.cpp), for ops that chain them without going back
+// cpu_attention.cpp, cpu_layer_ops.cpp, cpu_moe.cpp and cpu_weights.cpp), for ops that chain them without going back
 // to Python (cpu_decoder.cpp) and for the packing ops.
 #pragma once
 
@@ -22,6 +22,8 @@ void rotary_(const at::Tensor& positions, const at::Tensor& q, const at::Tensor&
 at::Tensor silu_and_mul(const at::Tensor& x);
 void write_kv(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache, const at::Tensor& v_cache,
               const at::Tensor& slot_mapping);
+at::Tensor moe_forward(const at::Tensor& x, at::TensorList params, at::TensorList weights, at::TensorList scales,
+                       at::IntArrayRef specs, at::IntArrayRef dims, double routed_scale, const at::Tensor& load);
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                       double softcap, const at::Tensor& kv_scales, const at::Tensor& out);

@@ -236,3 +236,19 @@ def convert_gguf(work_dir: Path, src: Path, model_dir: Path, outtype: str) -> Pa
     )
     tmp.rename(out)
     return out
+
+
+def quantize_gguf(work_dir: Path, src_gguf: Path, qtype: str, jobs: int) -> Path:
+    """``src_gguf`` quantized to ``qtype`` (Q4_K_M, Q8_0, ...) by llama.cpp's own `llama-quantize`
+    (built beside llama-batched-bench), once and cached next to it."""
+    binary = llamacpp_paths(work_dir)[2] / "bin" / "llama-quantize"
+    if not binary.is_file():
+        raise PeerError(f"no llama-quantize at {binary}: build llama.cpp first")
+    out = src_gguf.with_name(f"{src_gguf.stem}-{qtype}.gguf")
+    if out.is_file():
+        return out
+    tmp = out.with_suffix(".tmp")
+    cmd = [str(binary), str(src_gguf), str(tmp), qtype, str(jobs)]
+    run_step(f"quantize {src_gguf.name} to {qtype}", cmd, work_dir / "gguf" / "quantize.log", "failed: ")
+    tmp.rename(out)
+    return out

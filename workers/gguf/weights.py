@@ -70,7 +70,7 @@ BLOCKS = {
     | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 # llama.cpp's converter interleaves the q/k rotary halves for Llama and the models it derives from
-PERMUTED = ("llama", "granite", "smollm3")
+PERMUTED = ("llama", "granite", "granitemoe", "smollm3")
 NORM_SHIFTED = ("gemma2", "gemma3")  # llama.cpp stores Gemma's 1 + w norm weights with the 1 added
 
 

@@ -24,16 +24,11 @@ import torch
 
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
-from kernels.qgemm import KINDS
-from workers.models.layers import ColumnLinear, PagedAttention, RotaryEmbedding, RowLinear
+from workers.models.layers import PagedAttention, RotaryEmbedding
 from workers.models.llama import LlamaForCausalLM
+from workers.models.native_linears import fp8_scale, segments
 from workers.models.ops import NativeCpuOps
 from workers.models.parts import DecoderLayer, DecoderMLP
-from workers.quant.fp8 import Fp8PerTensor
-from workers.quant.gguf import GGUFPacked
-from workers.quant.packed import PackedBf16
-
-SEG_BF16, SEG_FP8 = -1, -2  # segment kinds of cpu_decoder.cpp besides the qgemm kinds (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -53,26 +48,6 @@ class FusedLayer:
     residual_scale: float
     softcap: float = 0.0  # the attention scores' soft cap (0: none)
     index: int = 0  # the layer's place in the model (its KV group's view of the metadata)
-
-
-def segments(lin: ColumnLinear | RowLinear) -> list[tuple[torch.Tensor, list[int]]] | None:
-    """(packed tensor, spec) of each native matmul the linear's method runs, or None when it runs
-    something else: packed bf16, fp8 in the native layout, or the integer-dot formats (int8 / int4,
-    and a GGUF layer's segments)."""
-    attrs = getattr(lin, "quant_attrs", {})
-    if type(lin.quant) is PackedBf16:
-        return [(lin.weight, [SEG_BF16, 0, 0, 0, 0, attrs["out_features"]])]
-    if isinstance(lin.quant, Fp8PerTensor) and "out_features" in attrs:
-        return [(lin.weight, [SEG_FP8, 0, 0, 0, 0, attrs["out_features"]])]
-    if isinstance(lin.quant, GGUFPacked) and "segments" not in attrs:  # a float GGUF tensor, packed bf16
-        return [(lin.weight, [SEG_BF16, 0, 0, 0, 0, attrs["out_features"]])]
-    if isinstance(lin.quant, GGUFPacked):
-        views = lin.quant.segment_views(lin)
-        return [(v, [KINDS.index(f.kind), f.group, f.zero, int(f.offsets), f.params, n]) for v, f, n in views]
-    if "kind" in attrs:  # online int8 / int4 on qgemm
-        spec = [KINDS.index(attrs["kind"]), attrs["group"], attrs["zero"], int(attrs["offsets"]), 0]
-        return [(lin.weight, spec + [attrs["out_features"]])]
-    return None
 
 
 PLACEMENTS = {"pre": 0, "sandwich": 1, "post": 2}  # cpu_decoder.cpp's kNorms*
@@ -106,10 +81,7 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype, index: int = 0) -> Fused
             weights.append(tensor)
             specs.extend(spec)
     outs = [lin.quant_attrs["out_features"] for lin in linears]
-    found = [
-        getattr(lin, "weight_scale", None) if isinstance(lin.quant, Fp8PerTensor) else None for lin in linears
-    ]
-    scales = [torch.empty(0) if s is None else s for s in found]
+    scales = [fp8_scale(lin) for lin in linears]
     biases = [torch.empty(0) if lin.bias is None else lin.bias for lin in linears]
     window = attn.attn.sliding_window or 0
     rotary_dim = 0 if rotary is None else rotary.rotary_dim

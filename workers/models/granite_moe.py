@@ -25,8 +25,6 @@ RENAMES = (
 
 
 class GraniteMoeForCausalLM(GraniteForCausalLM):
-    stacked_params = tuple(p for p in GraniteForCausalLM.stacked_params if p[0] != "gate_up_proj")
-
     @classmethod
     def decoder_parts(cls, cfg: Any) -> DecoderParts:
         moe = MoEParts(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, "topk_softmax")

@@ -125,9 +125,13 @@ class OpModule(nn.Module):
         super().__init__()
         self.ops: LayerOps = ops if ops is not None else TORCH_OPS
 
+    def ops_installed(self) -> None:
+        """What the module prepares once its ops are installed on a loaded model (nothing by default)."""
+
 
 def install_ops(model: nn.Module, ops: LayerOps) -> None:
     """Make every `OpModule` of `model` run on `ops`."""
     for module in model.modules():
         if isinstance(module, OpModule):
             module.ops = ops
+            module.ops_installed()

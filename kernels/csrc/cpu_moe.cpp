@@ -1,0 +1,314 @@
+// Ember CPU fast path: a mixture-of-experts MLP in one call.
+//
+// Built with the other csrc files by kernels/native.py, registered as torch.ops.ember.moe_forward and
+// called by the one-call decoder layers (cpu_decoder.cpp). The phases, each named below:
+//   route:   the router's float32 logits and each token's top-k (softmax then top-k, top-k then softmax,
+//            or DeepSeek-V3 / GLM-4.5's sigmoid with the correction bias and grouped top-k);
+//   group:   the (token, slot) pairs grouped by expert, each expert's rows gathered;
+//   experts: the selected experts' gate/up, activation and down matmuls as one list of work items
+//            (expert, weight segment, 8 blocks of 16 output rows) that the threads take one at a time,
+//            so a decode step reads only the selected experts' bytes and one thread pool serves all of
+//            them (the matmuls are the native ops of cpu_ops.h, run single-threaded inside an item);
+//   combine: per token its experts' outputs times their weights, in expert order, summed in float32,
+//            plus the shared expert (times its sigmoid gate where there is one).
+// The torch reference is workers/models/moe.py (route, experts_reference): the same routing, the same
+// matmuls and float32 sums in the same order.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSegBf16 = -1, kSegFp8 = -2, kSegInts = 6;  // as cpu_decoder.cpp's segment specs
+constexpr int64_t kSoftmax = 0, kTopkSoftmax = 1, kSigmoid = 2;  // moe.py's SCORINGS
+constexpr int64_t kActSilu = 0, kActGeluTanh = 1;
+constexpr int64_t kItemBlocks = 8;  // blocks of 16 output rows per work item
+
+// dims of moe_forward, in order
+struct Dims {
+  int64_t experts, top_k, scoring, renormalize, act, groups, topk_groups, shared, shared_gate;
+};
+
+// One weight segment of a linear: its packed tensor, fp8 scale, format and first output column.
+struct Seg {
+  const at::Tensor* packed;
+  const at::Tensor* scale;
+  int64_t kind, group, zero, offsets, params, rows, col;
+};
+
+struct Linear {
+  std::vector<Seg> segs;
+  int64_t out = 0;
+};
+
+// The segments of 2 linears (gate_up, down) per expert, from cpu_decoder.cpp's spec layout.
+std::vector<Linear> read_linears(at::TensorList weights, at::TensorList scales, at::IntArrayRef specs) {
+  std::vector<Linear> lins;
+  size_t w = 0, s = 0;
+  while (s < specs.size()) {
+    Linear lin;
+    const int64_t count = specs[s++];
+    for (int64_t k = 0; k < count; ++k, s += kSegInts, ++w) {
+      TORCH_CHECK(w < weights.size() && s + kSegInts <= specs.size(), "moe_forward: specs do not match the weights");
+      lin.segs.push_back(Seg{&weights[w], &scales[w], specs[s], specs[s + 1], specs[s + 2], specs[s + 3],
+                             specs[s + 4], specs[s + 5], lin.out});
+      lin.out += specs[s + 5];
+    }
+    lins.push_back(std::move(lin));
+  }
+  TORCH_CHECK(w == weights.size(), "moe_forward: specs do not match the weights");
+  return lins;
+}
+
+// Output rows [16 b0, 16 (b0 + nb)) of one segment for x.
+at::Tensor seg_matmul(const at::Tensor& x, const Seg& s, int64_t b0, int64_t nb) {
+  const int64_t n = std::min(nb * 16, s.rows - b0 * 16);
+  const at::Tensor w = s.packed->narrow(0, b0, nb);
+  if (s.kind == kSegBf16) return gemm_bf16(x, w, n);
+  if (s.kind == kSegFp8) return gemm_fp8(x, w, *s.scale, n);
+  return qgemm(x, w, s.kind, s.group, s.zero, s.offsets != 0, s.params, n);
+}
+
+// Indices of the k largest of v[0..n) (ties: the lower index first), in descending order.
+void top_indices(const float* v, int64_t n, int64_t k, int64_t* out) {
+  std::vector<int64_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+  std::copy(idx.begin(), idx.begin() + k, out);
+}
+
+// route: one token's experts and weights from its logits.
+void route_token(const float* logits, const float* bias, const Dims& d, double scale, int64_t* ids, float* w) {
+  const int64_t E = d.experts, K = d.top_k;
+  std::vector<float> p(logits, logits + E);
+  if (d.scoring == kTopkSoftmax) {
+    top_indices(p.data(), E, K, ids);
+    float mx = p[ids[0]], sum = 0.0f;
+    for (int64_t j = 0; j < K; ++j) sum += (w[j] = std::exp(p[ids[j]] - mx));
+    for (int64_t j = 0; j < K; ++j) w[j] /= sum;
+    return;
+  }
+  if (d.scoring == kSoftmax) {
+    const float mx = *std::max_element(p.begin(), p.end());
+    float sum = 0.0f;
+    for (auto& v : p) sum += (v = std::exp(v - mx));
+    for (auto& v : p) v /= sum;
+    top_indices(p.data(), E, K, ids);
+    for (int64_t j = 0; j < K; ++j) w[j] = p[ids[j]];
+  } else {  // sigmoid scores; the choice adds the correction bias, within the best groups
+    std::vector<float> choice(E);
+    for (int64_t e = 0; e < E; ++e) {
+      p[e] = 1.0f / (1.0f + std::exp(-p[e]));
+      choice[e] = p[e] + (bias ? bias[e] : 0.0f);
+    }
+    if (d.groups > 1) {
+      const int64_t size = E / d.groups;
+      std::vector<float> gscore(d.groups);
+      for (int64_t g = 0; g < d.groups; ++g) {  // a group's score: its two best choices
+        int64_t best[2];
+        top_indices(choice.data() + g * size, size, std::min<int64_t>(2, size), best);
+        gscore[g] = choice[g * size + best[0]] + (size > 1 ? choice[g * size + best[1]] : 0.0f);
+      }
+      std::vector<int64_t> keep(d.topk_groups);
+      top_indices(gscore.data(), d.groups, d.topk_groups, keep.data());
+      std::vector<char> kept(d.groups, 0);
+      for (int64_t g : keep) kept[g] = 1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!kept[e / size]) choice[e] = -INFINITY;
+    }
+    top_indices(choice.data(), E, K, ids);
+    for (int64_t j = 0; j < K; ++j) w[j] = p[ids[j]];
+  }
+  if (d.renormalize) {
+    float sum = d.scoring == kSigmoid ? 1e-20f : 0.0f;
+    for (int64_t j = 0; j < K; ++j) sum += w[j];
+    for (int64_t j = 0; j < K; ++j) w[j] /= sum;
+  }
+  if (scale != 1.0)
+    for (int64_t j = 0; j < K; ++j) w[j] *= static_cast<float>(scale);
+}
+
+template <typename T>
+void gather_rows(const at::Tensor& x, const std::vector<int64_t>& rows, at::Tensor& out) {
+  const int64_t H = x.size(1);
+  const T* src = x.const_data_ptr<T>();
+  T* dst = out.mutable_data_ptr<T>();
+  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(dst + i * H, src + rows[i] * H, H * sizeof(T));
+}
+
+template <typename T>
+inline float value(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+// experts: every (expert, segment, block range) of linear `which` (0 gate_up, 1 down) over the
+// experts' inputs, into outs (one [rows, out] tensor per expert), the threads taking items in turn.
+void run_items(const std::vector<Linear>& lins, int which, const std::vector<int64_t>& active,
+               const std::vector<at::Tensor>& ins, std::vector<at::Tensor>& outs) {
+  struct Item {
+    int64_t e, seg, b0, nb;
+  };
+  std::vector<Item> items;
+  for (int64_t e : active) {
+    const Linear& lin = lins[2 * e + which];
+    outs[e] = at::empty({ins[e].size(0), lin.out}, ins[e].options());
+    for (size_t s = 0; s < lin.segs.size(); ++s) {
+      const int64_t blocks = lin.segs[s].packed->size(0);
+      for (int64_t b0 = 0; b0 < blocks; b0 += kItemBlocks)
+        items.push_back({e, static_cast<int64_t>(s), b0, std::min(kItemBlocks, blocks - b0)});
+    }
+  }
+  std::atomic<size_t> next{0};
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (size_t i = next++; i < items.size(); i = next++) {
+      const Item& it = items[i];
+      const Seg& seg = lins[2 * it.e + which].segs[it.seg];
+      const at::Tensor part = seg_matmul(ins[it.e], seg, it.b0, it.nb);
+      const int64_t rows = part.size(0), n = part.size(1), ld = outs[it.e].size(1);
+      const int64_t bytes = n * part.element_size();
+      auto* dst = static_cast<char*>(outs[it.e].data_ptr()) + (seg.col + it.b0 * 16) * part.element_size();
+      const auto* src = static_cast<const char*>(part.const_data_ptr());
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ld * part.element_size(), src + r * bytes, bytes);
+    }
+  });
+}
+
+at::Tensor activate(const at::Tensor& gate_up, int64_t act) {
+  if (act == kActSilu) return silu_and_mul(gate_up);
+  TORCH_CHECK(act == kActGeluTanh, "moe_forward: unknown activation");
+  const int64_t inter = gate_up.size(1) / 2;
+  return at::mul(at::gelu(gate_up.narrow(1, 0, inter), "tanh"), gate_up.narrow(1, inter, inter));
+}
+
+}  // namespace
+
+// x [T, H] (float32 / bf16 / half, contiguous). params: the router's weight [E, H] float32, the
+// correction bias [E] float32 (sigmoid scoring; or empty), the shared expert's gate [1, H] float32
+// (or empty). weights / scales / specs: per expert (then the shared expert) its gate_up and down
+// linears' segments, as cpu_decoder.cpp's (scales: one per segment, empty but for fp8). dims: experts,
+// top_k, scoring, renormalize, activation, groups, groups kept, shared expert, shared gate.
+// routed_scale multiplies the routed weights. load: int64 [E] (or empty), each expert's token count
+// added. Returns [T, H] in x's dtype (partial sums under tensor parallelism: the caller reduces).
+at::Tensor moe_forward(const at::Tensor& x, at::TensorList params, at::TensorList weights, at::TensorList scales,
+                       at::IntArrayRef specs, at::IntArrayRef dims_, double routed_scale, const at::Tensor& load) {
+  TORCH_CHECK(dims_.size() == 9 && params.size() == 3, "moe_forward: 9 dims and 3 params");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "moe_forward: x must be a contiguous [T, H]");
+  TORCH_CHECK(weights.size() == scales.size(), "moe_forward: one scale per weight segment");
+  const Dims d{dims_[0], dims_[1], dims_[2], dims_[3], dims_[4], dims_[5], dims_[6], dims_[7], dims_[8]};
+  const int64_t T = x.size(0), H = x.size(1), E = d.experts, K = d.top_k;
+  TORCH_CHECK(K > 0 && K <= E && (d.groups <= 1 || (E % d.groups == 0 && d.topk_groups <= d.groups)),
+              "moe_forward: bad top-k or groups");
+  const std::vector<Linear> lins = read_linears(weights, scales, specs);
+  TORCH_CHECK(static_cast<int64_t>(lins.size()) == 2 * (E + d.shared), "moe_forward: 2 linears per expert");
+  const at::Tensor& router = params[0];
+  TORCH_CHECK(router.scalar_type() == at::kFloat && router.size(0) == E && router.size(1) == H,
+              "moe_forward: the router must be float32 [E, H]");
+  const at::Tensor& bias = params[1];
+  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == at::kFloat && bias.numel() == E && bias.is_contiguous()),
+              "moe_forward: the correction bias must be float32 [E]");
+
+  // route
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  const at::Tensor logits = at::matmul(xf, router.t()).contiguous();
+  std::vector<int64_t> ids(T * K);
+  std::vector<float> w(T * K);
+  const float* lp = logits.const_data_ptr<float>();
+  const float* bp = bias.numel() ? bias.const_data_ptr<float>() : nullptr;
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) route_token(lp + t * E, bp, d, routed_scale, &ids[t * K], &w[t * K]);
+  });
+
+  // group: per expert its (token, slot) pairs in token order; per token its experts in expert order
+  std::vector<std::vector<int64_t>> rows(E + d.shared);
+  for (int64_t i = 0; i < T * K; ++i) rows[ids[i]].push_back(i);
+  if (load.numel()) {
+    TORCH_CHECK(load.scalar_type() == at::kLong && load.numel() == E, "moe_forward: load must be int64 [E]");
+    int64_t* lc = load.mutable_data_ptr<int64_t>();
+    for (int64_t e = 0; e < E; ++e) lc[e] += static_cast<int64_t>(rows[e].size());
+  }
+  std::vector<int64_t> active;
+  std::vector<at::Tensor> ins(E + d.shared), mids(E + d.shared), outs(E + d.shared);
+  for (int64_t e = 0; e < E; ++e) {
+    if (rows[e].empty()) continue;
+    std::vector<int64_t> tokens(rows[e].size());
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = rows[e][i] / K;
+    ins[e] = at::empty({static_cast<int64_t>(tokens.size()), H}, x.options());
+    if (x.scalar_type() == at::kBFloat16) gather_rows<c10::BFloat16>(x, tokens, ins[e]);
+    else if (x.scalar_type() == at::kHalf) gather_rows<c10::Half>(x, tokens, ins[e]);
+    else gather_rows<float>(x, tokens, ins[e]);
+    active.push_back(e);
+  }
+  if (d.shared && T) {
+    ins[E] = x;
+    active.push_back(E);
+  }
+
+  // experts
+  run_items(lins, 0, active, ins, mids);
+  for (int64_t e : active) mids[e] = activate(mids[e], d.act);
+  run_items(lins, 1, active, mids, outs);
+
+  // combine
+  std::vector<float> gate(d.shared_gate ? T : 0);
+  if (d.shared_gate) {
+    const at::Tensor g = at::matmul(xf, params[2].t()).contiguous();
+    for (int64_t t = 0; t < T; ++t) gate[t] = 1.0f / (1.0f + std::exp(-g.const_data_ptr<float>()[t]));
+  }
+  std::vector<int64_t> where(T * K);  // (token, slot) -> its row in its expert's output
+  for (int64_t e = 0; e < E; ++e)
+    for (size_t r = 0; r < rows[e].size(); ++r) where[rows[e][r]] = static_cast<int64_t>(r);
+  at::Tensor out = at::empty({T, H}, x.options());
+  auto combine = [&](auto* o) {
+    using T_ = std::remove_pointer_t<decltype(o)>;
+    at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<float> acc(H);
+      std::vector<int64_t> slots(K);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::iota(slots.begin(), slots.end(), t * K);
+        std::sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
+        for (int64_t i : slots) {
+          const T_* y = outs[ids[i]].const_data_ptr<T_>() + where[i] * H;
+          for (int64_t h = 0; h < H; ++h) acc[h] += value(y, h) * w[i];
+        }
+        if (d.shared) {
+          const T_* y = outs[E].const_data_ptr<T_>() + t * H;
+          const float g = d.shared_gate ? gate[t] : 1.0f;
+          for (int64_t h = 0; h < H; ++h) acc[h] += value(y, h) * g;
+        }
+        for (int64_t h = 0; h < H; ++h) o[t * H + h] = static_cast<T_>(acc[h]);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16) combine(out.mutable_data_ptr<c10::BFloat16>());
+  else if (x.scalar_type() == at::kHalf) combine(out.mutable_data_ptr<c10::Half>());
+  else combine(out.mutable_data_ptr<float>());
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(ember, m) {
+  m.def(
+      "moe_forward(Tensor x, Tensor[] params, Tensor[] weights, Tensor[] scales, int[] specs, int[] dims, "
+      "float routed_scale, Tensor(a!) load) -> Tensor",
+      moe_forward);
+}
