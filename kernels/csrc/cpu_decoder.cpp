@@ -7,7 +7,8 @@
 // are bit-identical to theirs: every part those modules compose (norm placements, q/k norms per head
 // or over all heads, rotary or none, SwiGLU or GeGLU, a residual multiplier).
 // workers/models/fused_decode.py decides when a layer qualifies (packed bf16, fp8 or integer-dot
-// linears, with or without bias, one rank, the native attention ops).
+// linears, with or without bias, one rank, the native attention ops; a dense MLP or the one-call
+// experts of cpu_moe.cpp).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -29,8 +30,9 @@ namespace {
 constexpr int64_t kSegBf16 = -1, kSegFp8 = -2;
 constexpr int64_t kSegInts = 6;  // per segment: kind, group, zero, offsets, params, rows
 
-// Linear i of the layer, as its method applies it: each segment's matmul (qgemm kinds 0..2, bf16, fp8),
-// concatenated when there are several, then the bias when it has one. `specs` per linear: the segment
+// Linear i of the layer, as its method applies it: each segment's matmul (qgemm kinds 0..3, bf16, fp8),
+// several side by side in one parallel region (cpu_moe.cpp's grouped_linears), then the bias when it
+// has one. `specs` per linear: the segment
 // count, then kSegInts ints per segment; `next` walks weights and specs across linears.
 struct Linears {
   at::TensorList weights, scales, biases;
@@ -39,19 +41,23 @@ struct Linears {
 
   at::Tensor apply(const at::Tensor& x, size_t i) {
     const int64_t segments = specs[s++];
-    std::vector<at::Tensor> outs;
+    std::vector<LinearJob> job(1);
+    job[0].x = x;
     for (int64_t k = 0; k < segments; ++k, s += kSegInts) {
-      const int64_t kind = specs[s], rows = specs[s + 5];
-      const at::Tensor& packed = weights[w++];
-      if (kind == kSegBf16)
-        outs.push_back(gemm_bf16(x, packed, rows));
-      else if (kind == kSegFp8)
-        outs.push_back(gemm_fp8(x, packed, scales[i], rows));
-      else
-        outs.push_back(qgemm(x, packed, kind, specs[s + 1], specs[s + 2], specs[s + 3] != 0, specs[s + 4], rows));
+      job[0].packed.push_back(&weights[w++]);
+      job[0].scales.push_back(&scales[i]);
+      job[0].specs.push_back(specs.data() + s);
     }
-    at::Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
-    return biases[i].numel() ? at::add(y, biases[i]) : y;
+    if (segments == 1) {  // one native op (and its own parallel region)
+      const int64_t* spec = job[0].specs[0];
+      const at::Tensor& packed = *job[0].packed[0];
+      at::Tensor y = spec[0] == kSegBf16  ? gemm_bf16(x, packed, spec[5])
+                     : spec[0] == kSegFp8 ? gemm_fp8(x, packed, scales[i], spec[5])
+                                          : qgemm(x, packed, spec[0], spec[1], spec[2], spec[3] != 0, spec[4], spec[5]);
+      return biases[i].numel() ? at::add(y, biases[i]) : y;
+    }
+    grouped_linears(job);  // the segments side by side, in one parallel region
+    return biases[i].numel() ? at::add(job[0].out, biases[i]) : job[0].out;
   }
 };
 
@@ -80,13 +86,17 @@ constexpr int64_t kActSilu = 0, kActGeluTanh = 1;                     // the MLP
 // none). kv_scales: empty, or [2, Hkv] for an fp8 cache. cos/sin: this layer's rotary tables (unread
 // when its rotary dims are 0: no positional encoding). dims: out features of qkv, o, gate_up, down;
 // heads, kv heads, head size, rotary dims, window; norm placement, q/k norm, activation. softcap: the
-// attention scores' soft cap (0: none).
+// attention scores' soft cap (0: none). moe_*: a mixture of experts in place of the MLP, as
+// moe_forward's arguments (moe_dims empty: the dense MLP of gate_up and down; with experts `weights`
+// holds the qkv and o segments only).
 at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::TensorList norms,
                          at::TensorList weights, at::TensorList scales, at::TensorList biases, at::IntArrayRef specs,
                          at::IntArrayRef dims, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& slot_mapping,
                          const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_scales, double scale,
-                         double eps, double residual_scale, double softcap) {
+                         double eps, double residual_scale, double softcap, at::TensorList moe_params,
+                         at::TensorList moe_weights, at::TensorList moe_scales, at::IntArrayRef moe_specs,
+                         at::IntArrayRef moe_dims, double moe_scale, const at::Tensor& moe_load) {
   TORCH_CHECK(scales.size() == 4 && biases.size() == 4 && dims.size() == 12,
               "decoder_layer: 4 scales, 4 biases and 12 dims");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decoder_layer: x must be a contiguous [T, hidden]");
@@ -120,16 +130,21 @@ at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& positions, at::T
   if (placement != kNormsPre) o = norm(o, placement == kNormsPost ? 0 : 1);
   const at::Tensor h = add(x, o);
   const at::Tensor mlp_in = placement == kNormsPost ? h : norm(h, placement == kNormsPre ? 1 : 2);
-  const at::Tensor gate_up = lin.apply(mlp_in, 2);
-  at::Tensor gated;
-  if (act == kActGeluTanh) {
-    const int64_t inter = gate_up.size(1) / 2;
-    gated = at::mul(at::gelu(gate_up.narrow(1, 0, inter), "tanh"), gate_up.narrow(1, inter, inter));
+  at::Tensor down;
+  if (!moe_dims.empty()) {  // experts in place of the MLP (cpu_moe.cpp)
+    down = moe_forward(mlp_in, moe_params, moe_weights, moe_scales, moe_specs, moe_dims, moe_scale, moe_load);
   } else {
-    TORCH_CHECK(act == kActSilu, "decoder_layer: unknown activation");
-    gated = silu_and_mul(gate_up);
+    const at::Tensor gate_up = lin.apply(mlp_in, 2);
+    at::Tensor gated;
+    if (act == kActGeluTanh) {
+      const int64_t inter = gate_up.size(1) / 2;
+      gated = at::mul(at::gelu(gate_up.narrow(1, 0, inter), "tanh"), gate_up.narrow(1, inter, inter));
+    } else {
+      TORCH_CHECK(act == kActSilu, "decoder_layer: unknown activation");
+      gated = silu_and_mul(gate_up);
+    }
+    down = lin.apply(gated, 3);
   }
-  at::Tensor down = lin.apply(gated, 3);
   if (placement != kNormsPre) down = norm(down, placement == kNormsPost ? 1 : 3);
   const at::Tensor y = add(h, down);
   TORCH_CHECK(lin.w == weights.size() && lin.s == specs.size(), "decoder_layer: specs do not match the weights");
@@ -142,6 +157,7 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
       "Tensor[] biases, int[] specs, int[] dims, "
       "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor block_tables, Tensor seq_lens, Tensor slot_mapping, "
       "Tensor cos, Tensor sin, Tensor kv_scales, float scale, float eps, float residual_scale, "
-      "float softcap) -> Tensor",
+      "float softcap, Tensor[] moe_params, Tensor[] moe_weights, Tensor[] moe_scales, int[] moe_specs, "
+      "int[] moe_dims, float moe_scale, Tensor(c!) moe_load) -> Tensor",
       decoder_layer);
 }

@@ -6,7 +6,7 @@
 //            or DeepSeek-V3 / GLM-4.5's sigmoid with the correction bias and grouped top-k);
 //   group:   the (token, slot) pairs grouped by expert, each expert's rows gathered;
 //   experts: the selected experts' gate/up, activation and down matmuls as one list of work items
-//            (expert, weight segment, 8 blocks of 16 output rows) that the threads take one at a time,
+//            (expert, weight segment, a range of its blocks of 16 output rows) that the threads take one at a time,
 //            so a decode step reads only the selected experts' bytes and one thread pool serves all of
 //            them (the matmuls are the native ops of cpu_ops.h, run single-threaded inside an item);
 //   combine: per token its experts' outputs times their weights, in expert order, summed in float32,
@@ -40,37 +40,26 @@ namespace {
 constexpr int64_t kSegBf16 = -1, kSegFp8 = -2, kSegInts = 6;  // as cpu_decoder.cpp's segment specs
 constexpr int64_t kSoftmax = 0, kTopkSoftmax = 1, kSigmoid = 2;  // moe.py's SCORINGS
 constexpr int64_t kActSilu = 0, kActGeluTanh = 1;
-constexpr int64_t kItemBlocks = 8;  // blocks of 16 output rows per work item
+constexpr int64_t kItemBlocks = 8;  // the fewest blocks of 16 output rows in a work item
+constexpr int64_t kItemsPerThread = 4;  // work items per thread (more: finer balance, more fixed costs)
 
 // dims of moe_forward, in order
 struct Dims {
   int64_t experts, top_k, scoring, renormalize, act, groups, topk_groups, shared, shared_gate;
 };
 
-// One weight segment of a linear: its packed tensor, fp8 scale, format and first output column.
-struct Seg {
-  const at::Tensor* packed;
-  const at::Tensor* scale;
-  int64_t kind, group, zero, offsets, params, rows, col;
-};
-
-struct Linear {
-  std::vector<Seg> segs;
-  int64_t out = 0;
-};
-
-// The segments of 2 linears (gate_up, down) per expert, from cpu_decoder.cpp's spec layout.
-std::vector<Linear> read_linears(at::TensorList weights, at::TensorList scales, at::IntArrayRef specs) {
-  std::vector<Linear> lins;
+// The segments of 2 linears (gate_up, down) per expert, from cpu_decoder.cpp's spec layout (x unset).
+std::vector<LinearJob> read_linears(at::TensorList weights, at::TensorList scales, at::IntArrayRef specs) {
+  std::vector<LinearJob> lins;
   size_t w = 0, s = 0;
   while (s < specs.size()) {
-    Linear lin;
+    LinearJob lin;
     const int64_t count = specs[s++];
     for (int64_t k = 0; k < count; ++k, s += kSegInts, ++w) {
       TORCH_CHECK(w < weights.size() && s + kSegInts <= specs.size(), "moe_forward: specs do not match the weights");
-      lin.segs.push_back(Seg{&weights[w], &scales[w], specs[s], specs[s + 1], specs[s + 2], specs[s + 3],
-                             specs[s + 4], specs[s + 5], lin.out});
-      lin.out += specs[s + 5];
+      lin.packed.push_back(&weights[w]);
+      lin.scales.push_back(&scales[w]);
+      lin.specs.push_back(specs.data() + s);
     }
     lins.push_back(std::move(lin));
   }
@@ -79,12 +68,13 @@ std::vector<Linear> read_linears(at::TensorList weights, at::TensorList scales, 
 }
 
 // Output rows [16 b0, 16 (b0 + nb)) of one segment for x.
-at::Tensor seg_matmul(const at::Tensor& x, const Seg& s, int64_t b0, int64_t nb) {
-  const int64_t n = std::min(nb * 16, s.rows - b0 * 16);
-  const at::Tensor w = s.packed->narrow(0, b0, nb);
-  if (s.kind == kSegBf16) return gemm_bf16(x, w, n);
-  if (s.kind == kSegFp8) return gemm_fp8(x, w, *s.scale, n);
-  return qgemm(x, w, s.kind, s.group, s.zero, s.offsets != 0, s.params, n);
+at::Tensor seg_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const int64_t* spec,
+                      int64_t b0, int64_t nb) {
+  const int64_t n = std::min(nb * 16, spec[5] - b0 * 16);
+  const at::Tensor w = packed.narrow(0, b0, nb);
+  if (spec[0] == kSegBf16) return gemm_bf16(x, w, n);
+  if (spec[0] == kSegFp8) return gemm_fp8(x, w, scale, n);
+  return qgemm(x, w, spec[0], spec[1], spec[2], spec[3] != 0, spec[4], n);
 }
 
 // Indices of the k largest of v[0..n) (ties: the lower index first), in descending order.
@@ -147,6 +137,28 @@ void route_token(const float* logits, const float* bias, const Dims& d, double s
     for (int64_t j = 0; j < K; ++j) w[j] *= static_cast<float>(scale);
 }
 
+// x [T, H] @ w^T in float32 ([T, E]): a plain loop for a few rows (a decode step: no thread team for
+// a product this small), torch's matmul for more.
+at::Tensor router_logits(const at::Tensor& x, const at::Tensor& w) {
+  constexpr int64_t kFewRows = 4;
+  if (x.size(0) > kFewRows) return at::matmul(x, w.t()).contiguous();
+  const at::Tensor wc = w.contiguous(), xc = x.contiguous();
+  const int64_t T = xc.size(0), E = wc.size(0), H = wc.size(1);
+  at::Tensor out = at::empty({T, E}, xc.options());
+  const float *xp = xc.const_data_ptr<float>(), *wp = wc.const_data_ptr<float>();
+  float* o = out.mutable_data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) {
+      float acc[8] = {};  // 8 running sums (vectorizable), added at the end
+      int64_t h = 0;
+      for (; h + 8 <= H; h += 8)
+        for (int j = 0; j < 8; ++j) acc[j] += xp[t * H + h + j] * wp[e * H + h + j];
+      for (; h < H; ++h) acc[0] += xp[t * H + h] * wp[e * H + h];
+      o[t * E + e] = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    }
+  return out;
+}
+
 template <typename T>
 void gather_rows(const at::Tensor& x, const std::vector<int64_t>& rows, at::Tensor& out) {
   const int64_t H = x.size(1);
@@ -160,37 +172,58 @@ inline float value(const T* p, int64_t i) {
   return static_cast<float>(p[i]);
 }
 
-// experts: every (expert, segment, block range) of linear `which` (0 gate_up, 1 down) over the
-// experts' inputs, into outs (one [rows, out] tensor per expert), the threads taking items in turn.
-void run_items(const std::vector<Linear>& lins, int which, const std::vector<int64_t>& active,
-               const std::vector<at::Tensor>& ins, std::vector<at::Tensor>& outs) {
+}  // namespace
+
+// Every job's product in one parallel region (see cpu_ops.h): items of a block range of one segment,
+// as large as leave each thread kItemsPerThread of them (an item's calls have fixed costs).
+void grouped_linears(std::vector<LinearJob>& jobs) {
   struct Item {
-    int64_t e, seg, b0, nb;
+    size_t job, seg;
+    int64_t b0, nb, col;
   };
   std::vector<Item> items;
-  for (int64_t e : active) {
-    const Linear& lin = lins[2 * e + which];
-    outs[e] = at::empty({ins[e].size(0), lin.out}, ins[e].options());
-    for (size_t s = 0; s < lin.segs.size(); ++s) {
-      const int64_t blocks = lin.segs[s].packed->size(0);
-      for (int64_t b0 = 0; b0 < blocks; b0 += kItemBlocks)
-        items.push_back({e, static_cast<int64_t>(s), b0, std::min(kItemBlocks, blocks - b0)});
+  int64_t total = 0;  // blocks of all the segments
+  for (const LinearJob& job : jobs)
+    for (const at::Tensor* packed : job.packed) total += packed->size(0);
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max(kItemBlocks, (total + kItemsPerThread * threads - 1) / (kItemsPerThread * threads));
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    LinearJob& job = jobs[j];
+    int64_t col = 0;
+    for (size_t s = 0; s < job.packed.size(); ++s) {
+      const int64_t blocks = job.packed[s]->size(0);
+      for (int64_t b0 = 0; b0 < blocks; b0 += chunk)
+        items.push_back({j, s, b0, std::min(chunk, blocks - b0), col + b0 * 16});
+      col += job.specs[s][5];
     }
+    job.out = at::empty({job.x.size(0), col}, job.x.options());
   }
   std::atomic<size_t> next{0};
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size()));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min<int64_t>(threads, static_cast<int64_t>(items.size())), 1, [&](int64_t, int64_t) {
     for (size_t i = next++; i < items.size(); i = next++) {
       const Item& it = items[i];
-      const Seg& seg = lins[2 * it.e + which].segs[it.seg];
-      const at::Tensor part = seg_matmul(ins[it.e], seg, it.b0, it.nb);
-      const int64_t rows = part.size(0), n = part.size(1), ld = outs[it.e].size(1);
-      const int64_t bytes = n * part.element_size();
-      auto* dst = static_cast<char*>(outs[it.e].data_ptr()) + (seg.col + it.b0 * 16) * part.element_size();
+      LinearJob& job = jobs[it.job];
+      const at::Tensor part = seg_matmul(job.x, *job.packed[it.seg], *job.scales[it.seg], job.specs[it.seg], it.b0, it.nb);
+      const int64_t rows = part.size(0), size = part.element_size(), bytes = part.size(1) * size;
+      auto* dst = static_cast<char*>(job.out.data_ptr()) + it.col * size;
       const auto* src = static_cast<const char*>(part.const_data_ptr());
-      for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * ld * part.element_size(), src + r * bytes, bytes);
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * job.out.size(1) * size, src + r * bytes, bytes);
     }
   });
+}
+
+namespace {
+
+// experts: linear `which` (0 gate_up, 1 down) of every active expert over its inputs, into outs.
+void run_experts(const std::vector<LinearJob>& lins, int which, const std::vector<int64_t>& active,
+                 const std::vector<at::Tensor>& ins, std::vector<at::Tensor>& outs) {
+  std::vector<LinearJob> jobs;
+  for (int64_t e : active) {
+    jobs.push_back(lins[2 * e + which]);
+    jobs.back().x = ins[e];
+  }
+  grouped_linears(jobs);
+  for (size_t j = 0; j < active.size(); ++j) outs[active[j]] = jobs[j].out;
 }
 
 at::Tensor activate(const at::Tensor& gate_up, int64_t act) {
@@ -218,7 +251,7 @@ at::Tensor moe_forward(const at::Tensor& x, at::TensorList params, at::TensorLis
   const int64_t T = x.size(0), H = x.size(1), E = d.experts, K = d.top_k;
   TORCH_CHECK(K > 0 && K <= E && (d.groups <= 1 || (E % d.groups == 0 && d.topk_groups <= d.groups)),
               "moe_forward: bad top-k or groups");
-  const std::vector<Linear> lins = read_linears(weights, scales, specs);
+  const std::vector<LinearJob> lins = read_linears(weights, scales, specs);
   TORCH_CHECK(static_cast<int64_t>(lins.size()) == 2 * (E + d.shared), "moe_forward: 2 linears per expert");
   const at::Tensor& router = params[0];
   TORCH_CHECK(router.scalar_type() == at::kFloat && router.size(0) == E && router.size(1) == H,
@@ -229,7 +262,7 @@ at::Tensor moe_forward(const at::Tensor& x, at::TensorList params, at::TensorLis
 
   // route
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
-  const at::Tensor logits = at::matmul(xf, router.t()).contiguous();
+  const at::Tensor logits = router_logits(xf, router);
   std::vector<int64_t> ids(T * K);
   std::vector<float> w(T * K);
   const float* lp = logits.const_data_ptr<float>();
@@ -264,14 +297,14 @@ at::Tensor moe_forward(const at::Tensor& x, at::TensorList params, at::TensorLis
   }
 
   // experts
-  run_items(lins, 0, active, ins, mids);
+  run_experts(lins, 0, active, ins, mids);
   for (int64_t e : active) mids[e] = activate(mids[e], d.act);
-  run_items(lins, 1, active, mids, outs);
+  run_experts(lins, 1, active, mids, outs);
 
   // combine
   std::vector<float> gate(d.shared_gate ? T : 0);
   if (d.shared_gate) {
-    const at::Tensor g = at::matmul(xf, params[2].t()).contiguous();
+    const at::Tensor g = router_logits(xf, params[2]);
     for (int64_t t = 0; t < T; ++t) gate[t] = 1.0f / (1.0f + std::exp(-g.const_data_ptr<float>()[t]));
   }
   std::vector<int64_t> where(T * K);  // (token, slot) -> its row in its expert's output

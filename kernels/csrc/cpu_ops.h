@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 at::Tensor weight_empty(at::IntArrayRef sizes, at::ScalarType dtype);  // EMBER_HUGE_PAGES=1: huge pages
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n);
@@ -27,3 +28,15 @@ at::Tensor moe_forward(const at::Tensor& x, at::TensorList params, at::TensorLis
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                       double softcap, const at::Tensor& kv_scales, const at::Tensor& out);
+
+// One linear of a group product (cpu_moe.cpp): out [rows of x, sum of the segments' rows] = x @ W^T,
+// W given as segments, each a packed tensor, its fp8 scale (or empty) and 6 ints (kind: a qgemm format,
+// -1 packed bf16, -2 fp8; group, zero, offsets, params, rows), as cpu_decoder.cpp's specs.
+struct LinearJob {
+  at::Tensor x;
+  std::vector<const at::Tensor*> packed, scales;
+  std::vector<const int64_t*> specs;
+  at::Tensor out;  // allocated by grouped_linears
+};
+// Every job's product in one parallel region: the threads take (job, segment, block range) items in turn.
+void grouped_linears(std::vector<LinearJob>& jobs);

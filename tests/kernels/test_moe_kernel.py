@@ -14,17 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 
-from tests.workers.test_gguf_native import random_blocks
-from workers.gguf.weights import GGUFTensor
+from tools.bench_moe import random_layer
 from workers.loader import quantize
 from workers.models.moe import MoEMLP, MoEParts, route
 from workers.models.ops import TORCH_OPS, NativeCpuOps, install_ops
 from workers.parallel import TPGroup
 from workers.quant import make_method
 
-T = GGMLQuantizationType
 ROUTINGS = {
     "top2-renorm": MoEParts(8, 2, 256, renormalize=True),
     "top3-topk-softmax": MoEParts(5, 3, 256, "topk_softmax"),
@@ -39,33 +36,7 @@ HIDDEN = 256  # whole superblocks of the K-quants along both the hidden and the 
 
 
 def layer_of(moe: MoEParts, fmt: str, hidden: int = HIDDEN, seed: int = 0) -> MoEMLP:
-    """A MoE layer with seeded random weights in `fmt`, processed as the loader processes them."""
-    gen = torch.Generator().manual_seed(seed)
-    gguf = fmt.startswith("Q")
-    name = {"fp8": "fp8_per_tensor", "int8": "int8", "int4": "int4"}.get(fmt)
-    method = make_method(name, "cpu_bf16", gguf)
-    layer = MoEMLP(SimpleNamespace(hidden_size=hidden), TPGroup(), moe, "silu", method)
-    experts = [*layer.experts, *([layer.shared_expert] if layer.shared_expert is not None else [])]
-    with torch.no_grad():
-        for router in (layer.gate, layer.shared_expert_gate):
-            if router is not None:
-                router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * 0.5)
-        if layer.gate.e_score_correction_bias is not None:
-            layer.gate.e_score_correction_bias.copy_(torch.randn(moe.num_experts, generator=gen) * 0.1)
-        for expert in experts:
-            for lin, shards in ((expert.gate_up_proj, (0, 1)), (expert.down_proj, (None,))):
-                if not gguf:
-                    lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) * 0.05)
-                    continue
-                for shard in shards:
-                    n = lin.weight.shape[0] // len(shards)
-                    k = lin.weight.shape[1]
-                    qtype = T[fmt]
-                    raw = random_blocks(qtype, n, k).view(n, -1)
-                    raw = raw[torch.randperm(n, generator=gen)]  # each expert its own rows
-                    lin.quant.load_quantized(lin, GGUFTensor(raw, qtype, (n, k)), shard)
-    quantize(layer)
-    return layer
+    return random_layer(moe, fmt, hidden, seed)
 
 
 def inputs(skew: str, tokens: int, layer: MoEMLP) -> torch.Tensor:

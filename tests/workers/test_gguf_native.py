@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from coreproc import LLM, SamplingParams
 from coreproc.base.gguf_file import GGUFFile
 from kernels.qgemm import QFormat, pack_qweight, pack_qweight_torch, unpack_qweight
+from tools.bench_moe import random_blocks
 from tools.hf_to_gguf import write_gguf
 from workers.gguf.dequant import dequantize
 from workers.gguf.repack import REPACKABLE, concat, repack, repack_torch
@@ -26,21 +27,7 @@ from workers.gguf.weights import GGUFTensor, iter_gguf, pack_tensors
 pytestmark = pytest.mark.model
 
 T = GGMLQuantizationType
-# byte offsets of each type's float16 fields (scales, mins): random bytes elsewhere are valid blocks
-F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2]}
-F16_FIELDS |= {T.Q5_K: [0, 2], T.Q6_K: [208]}
 PROMPTS = [[1, 5, 9, 200, 31], [1, 77, 78], [1, 300, 301, 302, 303, 304, 305, 306, 42]]
-
-
-def random_blocks(qtype: int, n: int, k: int) -> torch.Tensor:
-    """n x k weights of random valid blocks of `qtype` (small float16 scales and mins)."""
-    block, size = GGML_QUANT_SIZES[T(qtype)]
-    gen = torch.Generator().manual_seed(qtype + n)
-    raw = torch.randint(0, 256, (n * k // block, size), dtype=torch.uint8, generator=gen)
-    for offset in F16_FIELDS[T(qtype)]:
-        halves = (torch.rand(raw.shape[0], generator=gen) * 0.1).half()
-        raw[:, offset : offset + 2] = halves.view(torch.uint8).view(-1, 2)
-    return raw.reshape(-1)
 
 
 @pytest.mark.parametrize("qtype", sorted(REPACKABLE), ids=lambda t: T(t).name)

@@ -24,8 +24,9 @@ import torch
 
 from kernels.backend import CpuBackend
 from kernels.metadata import AttentionMetadata
-from workers.models.layers import PagedAttention, RotaryEmbedding
+from workers.models.layers import ColumnLinear, PagedAttention, RotaryEmbedding, RowLinear
 from workers.models.llama import LlamaForCausalLM
+from workers.models.moe import MoEMLP
 from workers.models.native_linears import fp8_scale, segments
 from workers.models.ops import NativeCpuOps
 from workers.models.parts import DecoderLayer, DecoderMLP
@@ -36,7 +37,7 @@ class FusedLayer:
     """The per-layer arguments of torch.ops.ember.decoder_layer, gathered once."""
 
     norms: list[torch.Tensor]  # the layer's norms in DecoderLayer's order, then the q and k norms
-    weights: list[torch.Tensor]  # the segments of qkv, o, gate_up, down
+    weights: list[torch.Tensor]  # the segments of qkv, o, gate_up, down (qkv and o with experts)
     scales: list[torch.Tensor]  # fp8 linears' scales (an empty tensor elsewhere)
     biases: list[torch.Tensor]  # (an empty tensor where a linear has none)
     specs: list[int]  # per linear: its segment count, then kind, group, zero, offsets, params, rows each
@@ -48,6 +49,7 @@ class FusedLayer:
     residual_scale: float
     softcap: float = 0.0  # the attention scores' soft cap (0: none)
     index: int = 0  # the layer's place in the model (its KV group's view of the metadata)
+    experts: MoEMLP | None = None  # experts in place of the MLP (their native op's arguments)
 
 
 PLACEMENTS = {"pre": 0, "sandwich": 1, "post": 2}  # cpu_decoder.cpp's kNorms*
@@ -58,10 +60,13 @@ ACTS = {"silu": 0, "gelu_tanh": 1}  # kAct*
 def layer_plan(layer: DecoderLayer, dtype: torch.dtype, index: int = 0) -> FusedLayer | None:
     """The fused op's arguments for one DecoderLayer, or None when part of it is not on the native path."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not isinstance(mlp, DecoderMLP):  # experts run on the module path (their own native linears)
+    experts = mlp if isinstance(mlp, MoEMLP) else None
+    if experts is not None and (experts.native is None or experts.tp.size != 1):
         return None
     norms = layer.norm_modules()
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    linears: list[ColumnLinear | RowLinear] = [attn.qkv_proj, attn.o_proj]
+    if isinstance(mlp, DecoderMLP):
+        linears += [mlp.gate_up_proj, mlp.down_proj]
     rotary = attn.rotary
     ops = (mlp, *norms) if rotary is None else (mlp, rotary, *norms)
     if not all(isinstance(m.ops, NativeCpuOps) for m in ops):
@@ -80,16 +85,18 @@ def layer_plan(layer: DecoderLayer, dtype: torch.dtype, index: int = 0) -> Fused
         for tensor, spec in lin_segments:
             weights.append(tensor)
             specs.extend(spec)
-    outs = [lin.quant_attrs["out_features"] for lin in linears]
-    scales = [fp8_scale(lin) for lin in linears]
-    biases = [torch.empty(0) if lin.bias is None else lin.bias for lin in linears]
+    outs = [lin.quant_attrs["out_features"] for lin in linears] + [0, 0] * (experts is not None)
+    empty = [torch.empty(0)] * (4 - len(linears))
+    scales = [fp8_scale(lin) for lin in linears] + empty
+    biases = [torch.empty(0) if lin.bias is None else lin.bias for lin in linears] + empty
     window = attn.attn.sliding_window or 0
     rotary_dim = 0 if rotary is None else rotary.rotary_dim
     parts = [PLACEMENTS[layer.norms], QK_NORMS[attn.qk_norm], ACTS[mlp.act]]
     dims = [*outs, attn.num_heads, attn.num_kv_heads, attn.head_dim, rotary_dim, window, *parts]
     args = (attn.attn.scale, norms[0].eps, attn.attn, rotary, layer.residual_scale)
     softcap = attn.attn.softcap
-    return FusedLayer([n.weight for n in norms], weights, scales, biases, specs, dims, *args, softcap, index)
+    norm_weights: list[torch.Tensor] = [n.weight for n in norms]
+    return FusedLayer(norm_weights, weights, scales, biases, specs, dims, *args, softcap, index, experts)
 
 
 MAX_QUERY = 16  # new tokens per request up to which a batch runs as per-token decode rows
@@ -108,6 +115,17 @@ def _rows(meta: AttentionMetadata, positions: torch.Tensor, n: int) -> tuple[tor
     query_lens = meta.query_start_loc.diff()
     table = meta.block_tables[: len(query_lens)].repeat_interleave(query_lens, dim=0)
     return table, positions[:n] + 1, meta.slot_mapping[:n]
+
+
+NO_EXPERTS: tuple = ([], [], [], [], [], 1.0, torch.empty(0, dtype=torch.int64))
+
+
+def moe_args(experts: MoEMLP | None) -> tuple:
+    """decoder_layer's moe_* arguments: the experts' native op's, or none (a dense MLP)."""
+    if experts is None or experts.native is None:
+        return NO_EXPERTS
+    n = experts.native
+    return n.params, n.weights, n.scales, n.specs, n.dims, experts.moe.routed_scale, experts.expert_load
 
 
 def run(
@@ -143,6 +161,7 @@ def run(
             p.eps,
             p.residual_scale,
             p.softcap,
+            *moe_args(p.experts),
         )
         x = layer_op(x, positions, p.norms, p.weights, p.scales, p.biases, p.specs, p.dims, *args)
     return x
