@@ -51,9 +51,13 @@ def held_slots(model: LlamaForCausalLM, layout: KVLayout) -> list[int]:
     return sorted({slots[i] for i in model.held})
 
 
-def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.device, layout: KVLayout) -> int:
-    """Number of KV blocks: fixed, from a byte budget, or from a fraction of free memory; never fewer
-    than one sequence of max_model_len holds at once (with the null block of sliding groups)."""
+def plan_kv_blocks(
+    config: EngineConfig, bytes_per_block: int, device: torch.device, layout: KVLayout, workspace: int = 0
+) -> int:
+    """Number of KV blocks: fixed, from a byte budget, or from a fraction of free memory less the
+    step's `workspace` (a mixture of experts' worst case); never fewer than one sequence of
+    max_model_len holds at once (with the null block of sliding groups). A fixed count or budget
+    that leaves no room for the workspace is refused at start-up, not met by running out later."""
     cache = config.cache
     chunk = min(config.model.max_model_len, config.scheduler.max_num_batched_tokens)
     per_seq = layout.seq_blocks(config.model.max_model_len, cache.block_size, chunk)
@@ -69,7 +73,14 @@ def plan_kv_blocks(config: EngineConfig, bytes_per_block: int, device: torch.dev
         if device.type == "cpu":  # the host's memory is shared by all its workers (ranks, DP engines)
             fraction /= config.parallel.workers_per_host
         # never reserve more than every sequence at full length could use
-        blocks = min(int(available_memory(device) * fraction) // bytes_per_block, useful)
+        free = max(0, available_memory(device) - workspace)
+        blocks = min(int(free * fraction) // bytes_per_block, useful)
+    if workspace and blocks * bytes_per_block + workspace > available_memory(device):
+        raise ConfigError(
+            f"the KV cache ({blocks * bytes_per_block / 2**30:.2f} GiB) and the experts' workspace of a "
+            f"full batch ({workspace / 2**30:.2f} GiB) do not fit the {available_memory(device) / 2**30:.2f} "
+            "GiB free; lower --num-kv-blocks / --kv-cache-memory or --max-num-batched-tokens"
+        )
     if blocks < per_seq:
         raise ConfigError(
             f"the KV cache holds {blocks} blocks, fewer than the {per_seq} one sequence of "

@@ -72,6 +72,7 @@ class MemoryUsage:
 
     weight_bytes_by_dtype: dict[str, int]
     kv_bytes_per_block: int
+    workspace_bytes: int = 0  # the most a step's experts allocate at once (a full batch to the same ones)
 
     @property
     def weight_bytes(self) -> int:
@@ -130,7 +131,9 @@ class Worker:
         draft_forward = self.pick_kernels(draft) if draft is not None else None
         layout = kv_layout(weights.model, self.config, draft is not None)
         memory = self.measure_memory(weights.model, draft, layout)
-        num_blocks = plan_kv_blocks(self.config, memory.kv_bytes_per_block, self.device, layout)
+        num_blocks = plan_kv_blocks(
+            self.config, memory.kv_bytes_per_block, self.device, layout, memory.workspace_bytes
+        )
         start = time.perf_counter()
         with trace.phase("allocate the KV cache"):
             kv_caches = self.allocate_kv_cache(weights.model, num_blocks, layout)
@@ -261,7 +264,11 @@ class Worker:
         per_block = self._kv_bytes_per_block(model, len(held_slots(model, layout)))
         if draft is not None:
             per_block += self._kv_bytes_per_block(draft, self._draft_config()[1].num_layers)
-        return MemoryUsage(by_dtype, per_block)
+        moe = model.parts.moe
+        tokens = self.config.scheduler.max_num_batched_tokens
+        hidden = model.config.hidden_size
+        workspace = 0 if moe is None else moe.workspace_bytes(hidden, tokens, self.dtype.itemsize)
+        return MemoryUsage(by_dtype, per_block, workspace)
 
     def _kv_bytes_per_block(self, model: LlamaForCausalLM, num_layers: int) -> int:
         attn = model.held_layers()[0].self_attn
@@ -304,7 +311,7 @@ class Worker:
         by_dtype = memory.weight_bytes_by_dtype
         log.info(
             "rank %d: %d KV blocks (%.1f MiB) allocated in %.2fs; weights %.1f MiB (%s) loaded in %.2fs, "
-            "quantized (%s) in %.2fs; attention %s, linears %s",
+            "quantized (%s) in %.2fs; attention %s, linears %s; experts' workspace %.1f MiB",
             self.rank,
             num_blocks,
             num_blocks * memory.kv_bytes_per_block / 2**20,
@@ -316,6 +323,7 @@ class Worker:
             weights.quantize_seconds,
             self.backend.name,
             self.linear_kernel,
+            memory.workspace_bytes / 2**20,
         )
 
     def build_processors(self) -> list[LogitsProcessor]:

@@ -33,6 +33,7 @@ from tests.hf_ref import (
     top1_agreement,
 )
 from tests.workers.test_lora import ATTENTION, make_adapter, peft_greedy
+from workers.models.moe import MoEParts
 
 pytestmark = pytest.mark.model
 
@@ -167,3 +168,31 @@ def test_gguf_files_give_the_folders_tokens(arch: str, make_ckpt, tmp_path: Path
     hits, total, _ = top1_agreement(ours, seqs, [len(p) for p in prompts], exact, MARGIN)
     print(f"{arch} Q8_0: top-1 {hits / total:.3f} over {total} positions")
     assert hits / total >= 0.95 and total >= 40
+
+
+def test_memory_planning_counts_the_experts_workspace(make_ckpt, monkeypatch) -> None:
+    """A full batch every token of which goes to the same experts: its workspace is taken from the
+    memory the KV cache is sized from, and a fixed KV budget that leaves no room for it is refused at
+    start-up in one line."""
+    from coreproc.base.config import ConfigError, EngineConfig
+    from coreproc.base.kv_layout import KVLayout
+    from workers import kv_memory
+
+    moe = MoEParts(32, 8, 512)
+    tokens, hidden = 2048, 1024
+    workspace = moe.workspace_bytes(hidden, tokens, 2)
+    # 8 experts each holding every token: inputs, gate/up, activation, down in bf16; the float32 sums
+    assert workspace >= 8 * tokens * (2 * hidden + 3 * 512) * 2 + tokens * hidden * 4
+    config = EngineConfig.create(str(make_ckpt("mixtral", **SHAPES)), dtype="bfloat16")
+    free, per_block = 1 << 30, 1 << 20
+    monkeypatch.setattr(kv_memory, "available_memory", lambda device: free)
+    layout = KVLayout.full(3)
+    plain = kv_memory.plan_kv_blocks(config, per_block, torch.device("cpu"), layout)
+    less = kv_memory.plan_kv_blocks(config, per_block, torch.device("cpu"), layout, workspace)
+    fraction = kv_memory.CPU_DEFAULT_KV_FRACTION
+    assert plain == int(free * fraction) // per_block
+    assert less == int((free - workspace) * fraction) // per_block
+    assert less < plain
+    fixed = EngineConfig.create(str(config.model.model), dtype="bfloat16", num_kv_blocks=1000)
+    with pytest.raises(ConfigError, match="workspace"):
+        kv_memory.plan_kv_blocks(fixed, per_block, torch.device("cpu"), layout, workspace)

@@ -64,6 +64,15 @@ class MoEParts:
         if self.num_experts % self.groups or not 0 < self.topk_groups <= self.groups:
             raise ValueError(f"{self.num_experts} experts in {self.groups} groups, {self.topk_groups} kept")
 
+    def workspace_bytes(self, hidden: int, tokens: int, itemsize: int) -> int:
+        """The most a layer's experts allocate at once for `tokens` tokens (freed after the layer):
+        every token routed to the same top-k experts, each expert's gathered inputs, gate/up,
+        activation and down outputs, the shared expert's likewise, and the float32 combine."""
+        experts = self.top_k + (self.shared_intermediate > 0)
+        inter = max(self.intermediate, self.shared_intermediate)
+        per_expert = tokens * (2 * hidden + 3 * inter) * itemsize
+        return experts * per_expert + tokens * hidden * 4 + tokens * self.num_experts * 4
+
     def dims(self, act: str) -> list[int]:
         """The native op's dims (cpu_moe.cpp's Dims)."""
         shared = int(self.shared_intermediate > 0)
