@@ -27,6 +27,7 @@ from workers.draft import DraftJob, DraftProposer, DraftState
 from workers.mm_inputs import EncoderCache, ImageEncoder, RequestImages, StepImages, gather_step_images
 from workers.models.fused_decode import Forward
 from workers.models.llama import LlamaForCausalLM
+from workers.models.moe import ExpertCounts
 from workers.sampler import Sampler, SamplerResult, SamplingBatch
 from workers.structured import StructuredOutputs
 
@@ -129,6 +130,7 @@ class ModelRunner:
         self.encoder_cache = parts.encoder_cache
         self.lora = parts.lora
         self.forward: Forward = model if parts.forward is None else parts.forward
+        self.expert_counts = ExpertCounts.of(model)  # MoE layers' tokens per expert, sent each step
         self.draft = parts.draft
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -178,6 +180,7 @@ class ModelRunner:
         if not self.samples:
             return RunnerOutput(forward_seconds=time.perf_counter() - began)
         output, sample_rows = self._sample(batch, hidden, began)
+        output.expert_load = self.expert_counts.take() if self.expert_counts is not None else {}
         self._gather_failures(output, failed, images)
         if self.draft is not None and sample_rows:
             self._propose(batch, sample_rows, out.draft_lengths, output)

@@ -316,6 +316,7 @@ class RunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     draft_forwards: list[tuple[int, float]] = []  # the draft's forwards: (tokens, seconds) each
     encoder_hits: int = 0  # images whose vision-encoder output this step took from the encoder cache
     encoder_misses: int = 0  # ... and those it encoded
+    expert_load: dict[int, list[int]] = {}  # MoE layers (by index): tokens per expert this step
 
 
 class WorkerReady(msgspec.Struct, kw_only=True):
@@ -451,6 +452,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True):
     max_steps_in_flight: int = 0  # most steps submitted at once (pipeline stages: up to the stage count)
     seconds_since_step: float = 0.0  # since the last step finished
     stalled: str | None = None  # the watchdog's verdict (`--stall-timeout`): why the engine is stuck
+    expert_load: dict[int, list[int]] = {}  # MoE layers (by index): tokens per expert over the last steps
+    expert_imbalance: float = 0.0  # their max / mean tokens per expert, averaged over layers (0: no MoE)
+    expert_layer_imbalance: dict[int, float] = {}  # ... per layer
 
 
 class CoreReady(msgspec.Struct, kw_only=True):

@@ -33,6 +33,7 @@ from coreproc.base.protocol import (
     SchedulerOutput,
     SchedulerStats,
 )
+from coreproc.core.expert_load import ExpertLoad
 from coreproc.core.kv_cache import KVCacheManager
 from coreproc.core.lora_registry import LoRARegistry
 from coreproc.core.micro_batches import MicroBatches
@@ -79,6 +80,7 @@ class Scheduler:
         self.speculation = None if self.spec is None else SpecControl(self.spec, self.max_model_len)
         self.lookahead = 0 if self.speculation is None else self.speculation.lookahead
         self.counters = StepCounters()
+        self.expert_load = ExpertLoad()
 
     # ------------------------------------------------------------------ intake
 
@@ -362,6 +364,7 @@ class Scheduler:
         start = time.perf_counter()
         self.micro.done(sched)
         self.counters.add_runner_output(out)
+        self.expert_load.add(out.expert_load)
         if self.speculation is not None:
             self.speculation.time_step(sched, out)
         outputs = self._take_output(sched, out)

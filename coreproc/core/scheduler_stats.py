@@ -1,7 +1,8 @@
 """What the scheduler reports: counters its steps add up, the "stats" answer and a stall report.
 
 Runs in the scheduler process (coreproc). `StepCounters` sums the figures of every step (the workers'
-`RunnerOutput` timings, preemptions, encoder-cache use); `scheduler_stats` joins them with the live
+`RunnerOutput` timings, preemptions, encoder-cache use; the experts' load is coreproc.core.expert_load's);
+`scheduler_stats` joins them with the live
 queue and KV figures into a `SchedulerStats`; `describe` is the short state a stall report logs. Both
 read a scheduler through `Scheduling` (what they need of it), so this module does not import the
 scheduler that imports it.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from coreproc.base.protocol import RunnerOutput, SchedulerStats
+from coreproc.core.expert_load import ExpertLoad
 from coreproc.core.kv_cache import KVCacheManager
 from coreproc.core.mm_store import MediaStore
 from coreproc.core.request import Request
@@ -48,7 +50,7 @@ class StepCounters:
 
 class Scheduling(Protocol):
     """What the stats read of a scheduler (coreproc.core.scheduler.Scheduler has it all): its queues, its
-    KV cache, its media store, its counters and its speculation control."""
+    KV cache, its media store, its counters, its experts' load and its speculation control."""
 
     kv: KVCacheManager
     running: list[Request]
@@ -56,6 +58,7 @@ class Scheduling(Protocol):
     requests: dict[str, Request]
     media: MediaStore
     counters: StepCounters
+    expert_load: ExpertLoad
     speculation: SpecControl | None
     token_budget: int
 
@@ -76,6 +79,9 @@ def scheduler_stats(sched: Scheduling) -> SchedulerStats:
         prefix_cache_hit_rate=kv.hit_rate,
         mm_cache_hits=sched.media.hits,
         mm_cache_misses=sched.media.misses,
+        expert_load=sched.expert_load.load,
+        expert_imbalance=sched.expert_load.imbalance,
+        expert_layer_imbalance=sched.expert_load.layer_imbalance(),
         **dataclasses.asdict(sched.counters),
         **(sched.speculation.stats.as_dict() if sched.speculation is not None else {}),  # spec_* fields
     )

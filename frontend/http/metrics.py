@@ -62,6 +62,10 @@ _ENGINE_GAUGES = {
         "ember_num_client_requests",
         "Requests the engine core still maps to a client connection; 0 when idle.",
     ),
+    "expert_imbalance": (
+        "ember_moe_expert_imbalance",
+        "Mixture of experts: max / mean tokens per expert over the last steps, mean over layers (1: even).",
+    ),
     "spec_acceptance_rate": (
         "ember_spec_decode_acceptance_rate",
         "Speculative decoding: accepted / proposed tokens since the engine started.",
@@ -150,6 +154,13 @@ class EngineMetrics:
             registry=reg,
             multiprocess_mode="mostrecent",
         )
+        self._layer_imbalance = Gauge(
+            "ember_moe_layer_expert_imbalance",
+            "Mixture of experts: max / mean tokens per expert of each MoE layer over the last steps.",
+            [*labels, "engine", "layer"],
+            registry=reg,
+            multiprocess_mode="mostrecent",
+        )
         engine = [*labels, "engine"]  # the engine core's data-parallel rank
         self._gauges = {  # set by API server 0 only: its latest value is the core's
             key: Gauge(name, doc, engine, registry=reg, multiprocess_mode="mostrecent")
@@ -209,6 +220,8 @@ class EngineMetrics:
         positions = zip(stats.spec_accepted_per_position, stats.spec_proposed_per_position)
         for pos, (acc, prop) in enumerate(positions):
             self._spec_position.labels(self.model_name, rank, str(pos)).set(acc / prop if prop else 0.0)
+        for layer, ratio in stats.expert_layer_imbalance.items():
+            self._layer_imbalance.labels(self.model_name, rank, str(layer)).set(ratio)
         for key, counter in self._mirrored.items():
             value, last = float(getattr(stats, key)), self._last_cumulative.get((key, engine), 0.0)
             delta = value - last if value >= last else value

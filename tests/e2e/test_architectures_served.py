@@ -3,7 +3,7 @@
 A live server per architecture (the tiny checkpoints of tests/workers/test_architectures.py, and
 Mixtral's of tests/workers/test_moe.py), chat
 rendered with the checkpoint's own template: the streamed and the whole answer equal the offline
-engine's greedy tokens for the same rendered prompt.
+engine's greedy tokens for the same rendered prompt; for Mixtral /metrics shows the experts' imbalance.
 Run: `pytest -q tests/e2e/test_architectures_served.py`.
 """
 
@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from coreproc import LLM, SamplingParams
-from tests.server_util import start_server, stop_server
+from tests.server_util import eventually, metric, start_server, stop_server
 from tests.workers import test_architectures, test_moe
 
 pytestmark = pytest.mark.e2e
@@ -44,5 +44,9 @@ def test_chat_over_http_equals_the_offline_engine(make_ckpt, arch: str) -> None:
         )
         streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         assert streamed == expect.outputs[0].text
+        if arch == "mixtral":  # the experts' load reaches /metrics: max / mean tokens per expert >= 1
+            imbalance = eventually(lambda: metric(url, "ember_moe_expert_imbalance"), lambda v: v >= 1.0)
+            assert imbalance >= 1.0
+            assert metric(url, "ember_moe_layer_expert_imbalance", 'layer="1"') >= 1.0
     finally:
         stop_server(proc)

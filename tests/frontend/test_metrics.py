@@ -172,6 +172,14 @@ def test_gauges_follow_update_engine(metrics: EngineMetrics) -> None:
     assert samples(metrics)[("ember_num_requests_running", E0)] == 0
 
 
+def test_expert_imbalance_gauges(metrics: EngineMetrics) -> None:
+    stats = SchedulerStats(expert_imbalance=1.5, expert_layer_imbalance={0: 1.25, 1: 1.75})
+    metrics.update_engine(stats)
+    s = samples(metrics)
+    assert s[("ember_moe_expert_imbalance", E0)] == 1.5
+    assert s[("ember_moe_layer_expert_imbalance", (*E0, ("layer", "1")))] == 1.75
+
+
 def test_mirrored_stats_are_scheduler_stats_fields() -> None:
     assert set(_ENGINE_GAUGES) | set(_ENGINE_COUNTERS) <= set(SchedulerStats.__struct_fields__)
 

@@ -196,3 +196,18 @@ def test_memory_planning_counts_the_experts_workspace(make_ckpt, monkeypatch) ->
     fixed = EngineConfig.create(str(config.model.model), dtype="bfloat16", num_kv_blocks=1000)
     with pytest.raises(ConfigError, match="workspace"):
         kv_memory.plan_kv_blocks(fixed, per_block, torch.device("cpu"), layout, workspace)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # the torch path, the native one-call layers
+def test_engine_reports_each_layers_expert_load(make_ckpt, native_kernels, dtype: str) -> None:
+    """Every token a layer ran went to top-k experts: each MoE layer's counts add up to top-k times the
+    tokens forwarded (the prompt, then each generated token but the last); a dense layer has none."""
+    path = make_ckpt("qwen3_moe", **{**SHAPES, **FAMILIES["qwen3_moe"]})  # layer 1 dense
+    prompt, new = [5, 17, 33, 2, 9, 41, 7], 6
+    params = SamplingParams(temperature=0.0, max_tokens=new, min_tokens=new)
+    with LLM(str(path), dtype=dtype, show_progress=False, enable_prefix_caching=False) as llm:
+        llm.generate([prompt], params, use_tqdm=False)
+        stats = llm.stats()
+    assert sorted(stats.expert_load) == [0, 2]
+    assert all(sum(counts) == 2 * (len(prompt) + new - 1) for counts in stats.expert_load.values())
+    assert stats.expert_imbalance >= 1.0 and set(stats.expert_layer_imbalance) == {0, 2}

@@ -281,3 +281,28 @@ class MoEMLP(OpModule):
             assert isinstance(self.expert_load, torch.Tensor)
             self.expert_load += counts
         return self.tp.all_reduce(out)
+
+
+class ExpertCounts:
+    """The tokens each expert of a model's (this stage's) MoE layers took, in one [layers, E] tensor
+    that the layers' `expert_load` views add into; `take` reads and resets it once per step."""
+
+    def __init__(self, indices: list[int], layers: list[MoEMLP]) -> None:
+        self.indices = indices
+        self.counts = torch.zeros(len(layers), layers[0].moe.num_experts, dtype=torch.int64)
+        self.counts = self.counts.to(layers[0].gate.weight.device)
+        for row, mlp in zip(self.counts, layers, strict=True):
+            mlp.expert_load = row
+
+    @classmethod
+    def of(cls, model: Any) -> ExpertCounts | None:
+        """The counter of `model`'s held MoE layers (a LlamaForCausalLM), or None without experts."""
+        held = [(i, layer.mlp) for i, layer in zip(model.held, model.held_layers(), strict=True)]
+        moe = [(i, mlp) for i, mlp in held if isinstance(mlp, MoEMLP)]
+        return cls([i for i, _ in moe], [mlp for _, mlp in moe]) if moe else None
+
+    def take(self) -> dict[int, list[int]]:
+        """Tokens per expert by layer index since the last call."""
+        rows = self.counts.tolist()
+        self.counts.zero_()
+        return dict(zip(self.indices, rows, strict=True))
