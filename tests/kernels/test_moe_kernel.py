@@ -10,6 +10,7 @@ Q5_K and Q6_K bits. Run: `pytest -q tests/kernels/test_moe_kernel.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -156,3 +157,44 @@ def test_routing_equals_transformers(native_kernels, kind: str) -> None:
     quantize(layer)
     _, load = run(layer, x.bfloat16(), True)
     assert torch.equal(load, torch.bincount(ids.flatten(), minlength=16))
+
+
+@pytest.mark.parametrize("skew", ["random", "one-expert"])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 5, 2), (7, 6, 3), (37, 8, 2)])
+def test_triton_grouped_experts_equal_the_reference(tokens: int, experts: int, top_k: int, skew: str) -> None:
+    """The CUDA kernel (here under the Triton interpreter) against its torch reference: odd sizes,
+    tiles padded past each expert's tokens, every token to one expert."""
+    from kernels.moe_grouped import grouped_experts_torch, grouped_experts_triton
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    hidden, inter = 40, 24
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.2
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.2
+    scores = torch.randn(tokens, experts, generator=gen)
+    if skew == "one-expert":
+        scores[:, 3] += 100.0
+    weights, ids = torch.topk(torch.softmax(scores, dim=-1), top_k, dim=-1)
+    got = grouped_experts_triton(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got, grouped_experts_torch(x, w13, w2, weights, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("routing", ["top3-topk-softmax", "sigmoid-grouped"])
+def test_stacked_experts_on_the_grouped_kernel_equal_the_reference(routing: str) -> None:
+    """The CUDA path of the layer (unquantized experts stacked, no second copy, the Triton kernel;
+    here interpreted) gives the torch path's output and counts."""
+    shared = 24 if ROUTINGS[routing].shared_intermediate else 0
+    moe = dataclasses.replace(ROUTINGS[routing], intermediate=24, shared_intermediate=shared)
+    layer = MoEMLP(SimpleNamespace(hidden_size=40), TPGroup(), moe, "silu", make_method(None))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    x = torch.randn(13, 40, generator=torch.Generator().manual_seed(5))
+    expected, expected_load = run(layer, x, False)
+    assert layer.stack_experts()
+    assert layer.experts[2].down_proj.weight.data_ptr() == layer.stacked["down_proj"][2].data_ptr()
+    layer.expert_load.zero_()
+    with torch.no_grad():
+        got = layer(x)
+    assert torch.equal(layer.expert_load, expected_load)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

@@ -19,6 +19,7 @@ import pytest
 from coreproc import LLM, SamplingParams
 from coreproc.base.protocol import StructuredSpec
 from tests.hf_ref import PROMPT_TEXTS, teacher_forced, top1_agreement
+from tests.workers import test_moe
 from tests.workers.test_architectures import FAMILIES, MAX_NEW, SHAPES
 from tests.workers.test_lora import ATTENTION, make_adapter, peft_greedy
 from tests.workers.test_preload import free_port, start_preload, stop
@@ -107,21 +108,25 @@ def test_lora_adapters_give_pefts_tokens(family, tmp_path: Path) -> None:
     assert runs["a"][1] != runs[None][1]
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "olmo2", "glm4_moe"])
 def test_preload_daemon_weights_give_the_disk_tokens(arch: str, make_ckpt, tmp_path: Path) -> None:
     """`ember preload` holds the weights (Gemma's 1 + w norms folded, Phi-3's fused projections, OLMo 2's
-    norms) and an engine mapping them generates what one loading from disk does."""
-    path = str(make_ckpt(arch, **{**SHAPES, **FAMILIES[arch]}))
+    norms, GLM-4.5's experts packed for the native one-call MoE layer in bf16) and an engine mapping
+    them generates what one loading from disk does."""
+    moe = arch in test_moe.FAMILIES
+    shape = {**test_moe.SHAPES, **test_moe.FAMILIES[arch]} if moe else {**SHAPES, **FAMILIES[arch]}
+    path = str(make_ckpt(arch, **shape))
     params = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
 
     def run(**kw) -> tuple[list[list[int]], str]:
-        with LLM(path, dtype="float32", show_progress=False, **kw) as llm:
+        with LLM(path, dtype="bfloat16" if moe else "float32", show_progress=False, **kw) as llm:
             outs = llm.generate(PROMPT_TEXTS[:3], params, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outs], llm.engine.executor.ready[0].weight_source
 
     sockets = tmp_path / "sockets"
     sockets.mkdir(mode=0o700)
-    daemon = start_preload(path, sockets, "--health-port", str(free_port()))
+    dtype = ["--dtype", "bfloat16"] if moe else []
+    daemon = start_preload(path, sockets, "--health-port", str(free_port()), *dtype)
     try:
         mapped, source = run(load_format="ipc_cache", socket_dir=str(sockets))
     finally:

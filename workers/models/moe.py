@@ -12,7 +12,8 @@ applies to experts as to any layer. On the native CPU ops the whole layer is one
 (kernels/csrc/cpu_moe.cpp: routing, the selected experts' matmuls as work items over one thread
 pool, the combine); elsewhere `experts_reference` runs it in torch: tokens grouped by expert (one
 sort), each selected expert over its tokens only, the outputs times their weights summed in float32
-in expert order, as the native op sums them. Each layer counts the tokens its experts took
+in expert order, as the native op sums them; on CUDA, unquantized experts are stacked for the
+Triton grouped kernel (kernels/moe_grouped.py). Each layer counts the tokens its experts took
 (`expert_load`, read and reset by the worker). With tensor parallelism each expert's intermediate
 dimension is split across ranks; the partial sums meet in one all-reduce per layer.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ from workers.models.layers import ColumnLinear, RowLinear, attach_weight_loader,
 from workers.models.native_linears import fp8_scale, segments
 from workers.models.ops import NativeCpuOps, OpModule
 from workers.parallel import TPGroup
-from workers.quant.base import QuantMethod
+from workers.quant.base import QuantMethod, Unquantized
 
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")  # cpu_moe.cpp's kSoftmax, kTopkSoftmax, kSigmoid
 ACTS = ("silu", "gelu_tanh")  # its activations
@@ -236,12 +237,7 @@ def experts_reference(
             rows, picked = tokens[start : start + count], slots[start : start + count]
             out.index_add_(0, rows, mlp.experts[expert](x[rows]).float() * weights[rows, picked, None])
             start += count
-    if mlp.shared_expert is not None:
-        shared = mlp.shared_expert(x).float()
-        if mlp.shared_expert_gate is not None:
-            shared = shared * torch.sigmoid(mlp.shared_expert_gate(x))
-        out += shared
-    return out.to(x.dtype), counts
+    return (out + mlp._shared(x)).to(x.dtype), counts
 
 
 class MoEMLP(OpModule):
@@ -260,26 +256,62 @@ class MoEMLP(OpModule):
         shared = moe.shared_intermediate
         self.shared_expert = Expert(hidden, shared, act, tp, quant) if shared else None
         self.shared_expert_gate = Router(hidden, 1) if moe.shared_gate else None
-        # tokens each expert took since the worker last read it
-        self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        # tokens each expert took since the worker last read it: state, not a weight (no buffer: the
+        # weight cache does not hold it), on the CPU until ExpertCounts gives it the device's row
+        self.expert_load = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
         self.native: NativeMoE | None = None
+        self.stacked: dict[str, torch.Tensor] = {}  # the experts' weights for the grouped kernel (CUDA)
+
+    def _shared(self, x: torch.Tensor) -> torch.Tensor | float:
+        """The shared expert's output in float32 (times its sigmoid gate), or 0.0 without one."""
+        if self.shared_expert is None:
+            return 0.0
+        shared = self.shared_expert(x).float()
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(self.shared_expert_gate(x))
+        return shared
 
     def ops_installed(self) -> None:
-        """Gather the native op's arguments where the native CPU ops run (after loading)."""
+        """Gather the native op's arguments where the native CPU ops run, or stack the experts for the
+        Triton grouped kernel on CUDA (after loading)."""
         self.native = native_moe(self) if isinstance(self.ops, NativeCpuOps) else None
+        if self.gate.weight.is_cuda:
+            self.stack_experts()
+
+    def stack_experts(self) -> bool:
+        """Unquantized experts' weights as two stacked tensors [E, 2I, H] and [E, H, I] (each expert's
+        linears then views into them: no second copy), run by kernels/moe_grouped.py; False for
+        quantized experts, which keep their own linears."""
+        experts = cast(list[Expert], list(self.experts))
+        linears = [lin for e in experts for lin in (e.gate_up_proj, e.down_proj)]
+        if not all(type(lin.quant) is Unquantized for lin in linears):
+            return False
+        for name in ("gate_up_proj", "down_proj"):
+            stacked = torch.stack([getattr(e, name).weight.data for e in experts])
+            for i, expert in enumerate(experts):
+                getattr(expert, name).weight.data = stacked[i]
+            self.stacked[name] = stacked
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        load = self.expert_load
         if self.native is not None:
             n = self.native
             out = torch.ops.ember.moe_forward(
-                x.contiguous(), n.params, n.weights, n.scales, n.specs, n.dims, self.moe.routed_scale,
-                self.expert_load,
-            )  # fmt: skip
+                x.contiguous(), n.params, n.weights, n.scales, n.specs, n.dims, self.moe.routed_scale, load
+            )  # the counts added in place
+            return self.tp.all_reduce(out)
+        weights, ids = route(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+        if self.stacked:
+            from kernels.moe_grouped import grouped_experts_triton  # noqa: PLC0415  (triton: CUDA only)
+
+            w13, w2 = self.stacked["gate_up_proj"], self.stacked["down_proj"]
+            routed = grouped_experts_triton(x.contiguous(), w13, w2, weights, ids)
+            out = (routed + self._shared(x)).to(x.dtype)
+            load += torch.bincount(ids.flatten(), minlength=self.moe.num_experts)
         else:
-            weights, ids = route(self.gate(x), self.moe, self.gate.e_score_correction_bias)
             out, counts = experts_reference(self, x, weights, ids)
-            assert isinstance(self.expert_load, torch.Tensor)
-            self.expert_load += counts
+            load += counts
         return self.tp.all_reduce(out)
 
 
