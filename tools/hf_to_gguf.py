@@ -6,7 +6,7 @@ tokenizer's tokens, merges, token types, special ids and chat template), tensors
 names, q/k rows permuted where llama.cpp's converter permutes them (Llama and the models derived from
 it), Gemma's norm weights stored as 1 + w, the families' own keys (Gemma 3's window, Granite's
 multipliers); Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, SmolLM3, OLMo 2, Granite, Phi-3 and the
-mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE) folders; 2-D weights
+mixtures of experts (Mixtral, Qwen2/3-MoE, OLMoE, Granite-MoE, GLM-4.5) folders; 2-D weights
 quantized with the `gguf` package's reference quantizer (norms and biases stay F32). The `gguf`
 package writes the file (`GGUFWriter`). Only types that package can quantize: F32, F16, BF16, Q8_0,
 Q4_0, Q4_1, Q5_0, Q5_1.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
+from gguf import GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, quants
 from safetensors.torch import load_file
 
 from coreproc.base.gguf_config import (
@@ -49,6 +49,7 @@ ARCHS = {
     "qwen3_moe": "qwen3moe",
     "olmoe": "olmoe",
     "granitemoe": "granitemoe",
+    "glm4_moe": "glm4moe",
 }
 MIXTRAL_NAMES = (
     ("block_sparse_moe.", "mlp."),
@@ -59,6 +60,10 @@ MIXTRAL_NAMES = (
 GRANITE_NAMES = (
     ("block_sparse_moe.router.layer.", "mlp.gate."),
     ("block_sparse_moe.output_linear.", "mlp.experts.down_proj."),
+)
+GLM_NAMES = (  # GLM-4.5's shared experts and router bias under the names `block_names` maps
+    (".mlp.shared_experts.", ".mlp.shared_expert."),
+    (".mlp.gate.e_score_correction_bias", ".mlp.gate.e_score_correction.bias"),
 )
 GRANITE_GATE_UP = re.compile(r"^(.*)\.block_sparse_moe\.input_linear\.weight$")  # [E, 2I, H], gate first
 EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -152,8 +157,24 @@ def _family_metadata(writer: GGUFWriter, arch: str, cfg: dict, head_dim: int) ->
                 writer.add_tensor(f"rope_factors_{which}.weight", factors)
 
 
+def _glm4moe_metadata(writer: GGUFWriter, cfg: dict) -> None:
+    """GLM-4.5's routing as llama.cpp's converter writes it (sigmoid scores, one expert group)."""
+    if int(cfg.get("n_group") or 1) != 1 or int(cfg.get("topk_group") or 1) != 1:
+        raise ValueError("llama.cpp's glm4moe routes within one expert group: n_group and topk_group 1")
+    writer.add_expert_count(int(cfg["n_routed_experts"]))
+    writer.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+    writer.add_expert_shared_count(int(cfg["n_shared_experts"]))
+    writer.add_leading_dense_block_count(int(cfg["first_k_dense_replace"]))
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(float(cfg["routed_scaling_factor"]))
+    writer.add_expert_weights_norm(bool(cfg["norm_topk_prob"]))
+
+
 def _expert_metadata(writer: GGUFWriter, arch: str, cfg: dict) -> None:
     """llama.cpp's keys of a mixture of experts (Mixtral's `llama` files included)."""
+    if arch == "glm4moe":
+        return _glm4moe_metadata(writer, cfg)
     count = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not count:
         return
@@ -182,7 +203,7 @@ def _stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[f"{granite[1]}.mlp.experts.gate_proj.weight"] = gate
             out[f"{granite[1]}.mlp.experts.up_proj.weight"] = up
             continue
-        for old, new in GRANITE_NAMES + MIXTRAL_NAMES if "block_sparse_moe" in name else ():
+        for old, new in GRANITE_NAMES + MIXTRAL_NAMES if "block_sparse_moe" in name else GLM_NAMES:
             name = name.replace(old, new)
         found = EXPERT.match(name)
         if found is None:

@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "granitemoe": ("GraniteMoeForCausalLM", "granitemoe"),
+    "glm4moe": ("Glm4MoeForCausalLM", "glm4_moe"),
 }
 MIXTRAL = ("MixtralForCausalLM", "mixtral")  # a `llama` file with experts
 # mixtures of experts: whether llama.cpp renormalizes the top-k weights (it fixes it per architecture)
@@ -93,7 +94,7 @@ def hf_config(
     cfg["vocab_size"] = vocab
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     rotary = meta.get(f"{arch}.rope.dimension_count", head_dim)
-    if rotary != head_dim and arch != "phi3":
+    if rotary != head_dim and arch not in ("phi3", "glm4moe"):
         raise ConfigError(f"{source}: partial rotary embeddings ({rotary} of {head_dim}) are not supported")
     if "rope_freqs.weight" in tensor_names:
         raise ConfigError(f"{source}: per-frequency rope factors (rope_freqs) are not supported")
@@ -117,7 +118,9 @@ def hf_config(
     cfg |= _family_config(arch, meta, cfg, rope)
     if arch == "phi3":
         cfg |= _phi3(meta, cfg, rope, rotary / head_dim, factors or {}, source)
-    if meta.get(f"{arch}.expert_count"):
+    if arch == "glm4moe":
+        cfg |= _glm4moe(meta, cfg, rope, rotary / head_dim, tensor_names)
+    elif meta.get(f"{arch}.expert_count"):
         cfg |= _experts(arch, meta, cfg)
     return cfg
 
@@ -143,6 +146,32 @@ def _experts(arch: str, meta: dict[str, Any], cfg: dict[str, Any]) -> dict[str, 
     if arch == "qwen2moe":
         out["shared_expert_intermediate_size"] = int(meta[f"{arch}.expert_shared_feed_forward_length"])
     return out
+
+
+def _glm4moe(
+    meta: dict[str, Any], cfg: dict[str, Any], rope: dict, rotary: float, names: tuple[str, ...]
+) -> dict[str, Any]:
+    """GLM-4.5 as llama.cpp's converter writes it: DeepSeek-V3's sigmoid routing (one group), shared
+    experts, dense leading layers, partial rotary, q/k norms where the file has them, and the
+    multi-token-prediction layers counted in `block_count` (not run here)."""
+    arch = "glm4moe"
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))
+    rope["partial_rotary_factor"] = rotary
+    return {
+        "num_hidden_layers": int(meta[f"{arch}.block_count"]) - nextn,
+        "num_nextn_predict_layers": nextn,
+        "n_routed_experts": int(meta[f"{arch}.expert_count"]),
+        "num_experts_per_tok": int(meta[f"{arch}.expert_used_count"]),
+        "moe_intermediate_size": int(meta[f"{arch}.expert_feed_forward_length"]),
+        "n_shared_experts": int(meta.get(f"{arch}.expert_shared_count", 0)),
+        "first_k_dense_replace": int(meta.get(f"{arch}.leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(meta.get(f"{arch}.expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        "n_group": 1,
+        "topk_group": 1,
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "partial_rotary_factor": rotary,
+    }
 
 
 def swa_layer_types(layers: int, pattern: int) -> list[str]:

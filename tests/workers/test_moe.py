@@ -142,17 +142,20 @@ def test_lora_reaches_attention_and_refuses_experts(make_ckpt, tmp_path: Path) -
         assert "\n" not in str(info.value)
 
 
-GGUF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe")
+GGUF_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "glm4_moe")
+LLAMA_CPP_ROUTING = {"glm4_moe": {"n_group": 1, "topk_group": 1}}  # llama.cpp's glm4moe: one group
 
 
 @pytest.mark.parametrize("arch", GGUF_FAMILIES)
 def test_gguf_files_give_the_folders_tokens(arch: str, make_ckpt, tmp_path: Path, native_kernels) -> None:
     """Its GGUF file under llama.cpp's names and keys (experts stacked in `ffn_*_exps`, the router in
-    `ffn_gate_inp`, Qwen2-MoE's `*_shexp`): in F32 the folder's float32 tokens and logprobs; in Q8_0,
+    `ffn_gate_inp`, the `*_shexp` shared experts, GLM's `exp_probs_b` correction bias and dense first
+    layer): in F32 the folder's float32 tokens and logprobs; in Q8_0,
     run in its own bits (bf16), the float32 folder's next token teacher-forced."""
     from tools.hf_to_gguf import write_gguf
 
     extra = {k: v for k, v in FAMILIES[arch]["extra_config"].items() if k != "mlp_only_layers"}
+    extra |= LLAMA_CPP_ROUTING.get(arch, {})
     folder = make_ckpt(arch, **{**SHAPES, "extra_config": extra})  # llama.cpp's: experts on every layer
     runs, prompts = [], []
     for source in (folder, write_gguf(folder, tmp_path / f"{arch}.gguf")):

@@ -68,6 +68,10 @@ BLOCKS = {
     # Phi-3's fused projections, as in its checkpoint: q/k/v in one, gate and up in `ffn_up`
     "phi3": {k: v for k, v in BLOCK.items() if k not in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")}
     | {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # GLM-4.5: its pre-MLP norm under llama.cpp's post-attention name, the router's correction bias
+    # (`exp_probs_b.bias`, the model's `mlp.gate.e_score_correction_bias`: glm4_moe.py renames it)
+    "glm4moe": {k: v for k, v in BLOCK.items() if k != "ffn_norm"}
+    | {"post_attention_norm": "post_attention_layernorm", "exp_probs_b": "mlp.gate.e_score_correction"},
 }
 # llama.cpp's converter interleaves the q/k rotary halves for Llama and the models it derives from
 PERMUTED = ("llama", "granite", "granitemoe", "smollm3")

@@ -49,5 +49,12 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         return dataclasses.replace(parts, qk_norm=qk_norm, moe=v3_routing(cfg, shared), dense_layers=dense)
 
     def expand_tensor(self, name: str, tensor: Any) -> Iterator[tuple[str, Any]]:
-        """GLM's `shared_experts` is the MoE layer's `shared_expert`; experts cut as any MoE's."""
-        yield from super().expand_tensor(name.replace(".mlp.shared_experts.", ".mlp.shared_expert."), tensor)
+        """GLM's `shared_experts` is the MoE layer's `shared_expert`; a GGUF file's correction bias
+        (`exp_probs_b.bias`) is the router's `e_score_correction_bias`; the multi-token-prediction
+        layers after the last decoder layer are not run (nothing loads); experts cut as any MoE's."""
+        parts = name.split(".")
+        if name.startswith("model.layers.") and int(parts[2]) >= self.config.num_hidden_layers:
+            return
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+        name = name.replace(".mlp.gate.e_score_correction.bias", ".mlp.gate.e_score_correction_bias")
+        yield from super().expand_tensor(name, tensor)
