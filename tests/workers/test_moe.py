@@ -9,7 +9,9 @@ scale, a shared expert, a dense first layer, partial rotary, q/k norms and biase
 family: float32 greedy tokens equal transformers' over 48 tokens, batched and one at a time,
 logprobs within 1e-4; bf16 on the native ops and int8 experts agree teacher-forced;
 two tensor-parallel ranks (experts split along their intermediate size) and two pipeline stages give
-the same tokens; LoRA: attention adapters equal PEFT, expert adapters refused in one line.
+the same tokens, as does n-gram speculation; LoRA: attention adapters equal PEFT, expert adapters
+refused in one line; each layer's expert load reaches the engine's stats; memory planning counts the
+experts' worst-case workspace.
 Run: `pytest -q tests/workers/test_moe.py`.
 """
 
@@ -214,3 +216,19 @@ def test_engine_reports_each_layers_expert_load(make_ckpt, native_kernels, dtype
     assert sorted(stats.expert_load) == [0, 2]
     assert all(sum(counts) == 2 * (len(prompt) + new - 1) for counts in stats.expert_load.values())
     assert stats.expert_imbalance >= 1.0 and set(stats.expert_layer_imbalance) == {0, 2}
+
+
+def test_ngram_speculation_keeps_the_tokens(family) -> None:
+    """Proposals verified in one step through the experts give the tokens plain decoding gives."""
+    _, path = family
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "adaptive": false}'
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    runs, proposed = [], 0
+    for speculative_config in (None, spec):
+        with LLM(
+            str(path), dtype="float32", show_progress=False, speculative_config=speculative_config
+        ) as llm:
+            outs = llm.generate(PROMPT_TEXTS[:2], params, use_tqdm=False)
+            runs.append([list(o.outputs[0].token_ids) for o in outs])
+            proposed = llm.stats().spec_num_proposed
+    assert runs[1] == runs[0] and proposed > 0
