@@ -22,6 +22,7 @@ from typing import Literal
 import msgspec
 
 from coreproc.base.protocol import SchedulerStats
+from coreproc.core.expert_load import layer_imbalance, mean_imbalance, merge_loads
 
 Routing = Literal["least-loaded", "prefix"]
 
@@ -144,7 +145,8 @@ _AVERAGED = {"kv_usage", "spec_mean_accepted_length"}
 
 def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     """Several engines' stats as one: counts and seconds summed, ratios averaged, per-position lists
-    summed by position, `stalled` the first engine's reason (with its rank), `has_work` if any has."""
+    summed by position, the experts' loads summed and their imbalance taken of the sum, `stalled` the
+    first engine's reason (with its rank), `has_work` if any has."""
     assert stats, "nothing to merge"
     merged: dict[str, object] = {}
     for name in SchedulerStats.__struct_fields__:
@@ -155,6 +157,10 @@ def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
             merged[name] = any(values)
         elif name == "seconds_since_step":
             merged[name] = min(values)
+        elif name == "expert_load":
+            merged[name] = merge_loads(values)
+        elif name in ("expert_imbalance", "expert_layer_imbalance"):
+            continue  # of the merged load, below
         elif name in _AVERAGED:
             merged[name] = sum(values) / len(values)
         elif isinstance(values[0], list):
@@ -165,4 +171,6 @@ def merge_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
     out = msgspec.convert(merged, SchedulerStats)
     out.prefix_cache_hit_rate = out.prefix_cache_hits / max(1, out.prefix_cache_queries)
     out.spec_acceptance_rate = out.spec_num_accepted / max(1, out.spec_num_proposed)
+    out.expert_layer_imbalance = layer_imbalance(out.expert_load)
+    out.expert_imbalance = mean_imbalance(out.expert_load)
     return out

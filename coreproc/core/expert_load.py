@@ -42,14 +42,35 @@ class ExpertLoad:
 
     def layer_imbalance(self) -> dict[int, float]:
         """max / mean tokens per expert of each layer (0.0 where no token came)."""
-        out = {}
-        for layer, counts in sorted(self.totals.items()):
-            mean = sum(counts) / len(counts)
-            out[layer] = max(counts) / mean if mean else 0.0
-        return out
+        return layer_imbalance(self.totals)
 
     @property
     def imbalance(self) -> float:
         """The mean over layers of their max / mean tokens per expert."""
-        layers = self.layer_imbalance()
-        return sum(layers.values()) / len(layers) if layers else 0.0
+        return mean_imbalance(self.totals)
+
+
+def layer_imbalance(load: dict[int, list[int]]) -> dict[int, float]:
+    """max / mean tokens per expert of each layer of `load` (0.0 where no token came)."""
+    out = {}
+    for layer, counts in sorted(load.items()):
+        mean = sum(counts) / len(counts)
+        out[layer] = max(counts) / mean if mean else 0.0
+    return out
+
+
+def mean_imbalance(load: dict[int, list[int]]) -> float:
+    """The mean over the layers of `load` of their max / mean tokens per expert (0.0: no layer)."""
+    layers = layer_imbalance(load)
+    return sum(layers.values()) / len(layers) if layers else 0.0
+
+
+def merge_loads(loads: list[dict[int, list[int]]]) -> dict[int, list[int]]:
+    """Several engines' loads as one: each layer's counts summed expert by expert."""
+    out: dict[int, list[int]] = {}
+    for load in loads:
+        for layer, counts in load.items():
+            total = out.setdefault(layer, [0] * len(counts))
+            for e, n in enumerate(counts):
+                total[e] += n
+    return out

@@ -136,6 +136,11 @@ def test_merged_stats_sum_counts_and_recompute_ratios() -> None:
     assert m.num_running == 5 and m.kv_usage == pytest.approx(0.3)
     assert m.prefix_cache_hit_rate == pytest.approx(0.25) and m.spec_accepted_per_position == [1, 2]
     assert m.stalled == "engine core 1: stuck"
+    a.expert_load, b.expert_load = {0: [4, 0], 2: [1, 1]}, {0: [0, 2]}  # engines' experts' loads: summed
+    m = merge_stats([a, b])
+    assert m.expert_load == {0: [4, 2], 2: [1, 1]}
+    assert m.expert_layer_imbalance == {0: pytest.approx(4 / 3), 2: 1.0}
+    assert m.expert_imbalance == pytest.approx((4 / 3 + 1) / 2)
 
 
 @pytest.mark.unit
