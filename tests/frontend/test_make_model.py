@@ -66,8 +66,9 @@ def test_tiny_checkpoint_loads_and_runs(tiny: dict[str, Path], arch: str) -> Non
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
     ]
     names = {n for n, _ in model.named_parameters()}
-    assert any(n.endswith("q_proj.bias") for n in names) == (arch in ("qwen2", "qwen2_moe"))
-    assert any("q_norm" in n for n in names) == (arch in ("qwen3", "gemma3", "olmo2", "qwen3_moe", "olmoe"))
+    assert any(n.endswith("q_proj.bias") for n in names) == (arch in ("qwen2", "qwen2_moe", "glm4_moe"))
+    q_norms = ("qwen3", "gemma3", "olmo2", "qwen3_moe", "olmoe", "glm4_moe")
+    assert any("q_norm" in n for n in names) == (arch in q_norms)
     ids = tokenizer(CODE, return_tensors="pt").input_ids
     assert ids[0, 0].item() == tokenizer.bos_token_id
     assert tokenizer.decode(ids[0], skip_special_tokens=True) == CODE
