@@ -26,9 +26,9 @@
 
 namespace {
 
-// Segment kinds in a linear's spec: packed bf16, fp8 (with its per-tensor scale), or a qgemm format.
-constexpr int64_t kSegBf16 = -1, kSegFp8 = -2;
-constexpr int64_t kSegInts = 6;  // per segment: kind, group, zero, offsets, params, rows
+// per segment: kind (a qgemm format, -1 packed bf16, -2 fp8: cpu_moe.cpp's segment_matmul), group,
+// zero, offsets, params, rows
+constexpr int64_t kSegInts = 6;
 
 // Linear i of the layer, as its method applies it: each segment's matmul (qgemm kinds 0..3, bf16, fp8),
 // several side by side in one parallel region (cpu_moe.cpp's grouped_linears), then the bias when it
@@ -49,11 +49,8 @@ struct Linears {
       job[0].specs.push_back(specs.data() + s);
     }
     if (segments == 1) {  // one native op (and its own parallel region)
-      const int64_t* spec = job[0].specs[0];
       const at::Tensor& packed = *job[0].packed[0];
-      at::Tensor y = spec[0] == kSegBf16  ? gemm_bf16(x, packed, spec[5])
-                     : spec[0] == kSegFp8 ? gemm_fp8(x, packed, scales[i], spec[5])
-                                          : qgemm(x, packed, spec[0], spec[1], spec[2], spec[3] != 0, spec[4], spec[5]);
+      const at::Tensor y = segment_matmul(x, packed, scales[i], job[0].specs[0], 0, packed.size(0));
       return biases[i].numel() ? at::add(y, biases[i]) : y;
     }
     grouped_linears(job);  // the segments side by side, in one parallel region

@@ -67,16 +67,6 @@ std::vector<LinearJob> read_linears(at::TensorList weights, at::TensorList scale
   return lins;
 }
 
-// Output rows [16 b0, 16 (b0 + nb)) of one segment for x.
-at::Tensor seg_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const int64_t* spec,
-                      int64_t b0, int64_t nb) {
-  const int64_t n = std::min(nb * 16, spec[5] - b0 * 16);
-  const at::Tensor w = packed.narrow(0, b0, nb);
-  if (spec[0] == kSegBf16) return gemm_bf16(x, w, n);
-  if (spec[0] == kSegFp8) return gemm_fp8(x, w, scale, n);
-  return qgemm(x, w, spec[0], spec[1], spec[2], spec[3] != 0, spec[4], n);
-}
-
 // Indices of the k largest of v[0..n) (ties: the lower index first), in descending order.
 void top_indices(const float* v, int64_t n, int64_t k, int64_t* out) {
   std::vector<int64_t> idx(n);
@@ -174,6 +164,16 @@ inline float value(const T* p, int64_t i) {
 
 }  // namespace
 
+// Output rows [16 b0, 16 (b0 + nb)) of one weight segment for x (see cpu_ops.h).
+at::Tensor segment_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const int64_t* spec,
+                      int64_t b0, int64_t nb) {
+  const int64_t n = std::min(nb * 16, spec[5] - b0 * 16);
+  const at::Tensor w = packed.narrow(0, b0, nb);
+  if (spec[0] == kSegBf16) return gemm_bf16(x, w, n);
+  if (spec[0] == kSegFp8) return gemm_fp8(x, w, scale, n);
+  return qgemm(x, w, spec[0], spec[1], spec[2], spec[3] != 0, spec[4], n);
+}
+
 // Every job's product in one parallel region (see cpu_ops.h): items of a block range of one segment,
 // as large as leave each thread kItemsPerThread of them (an item's calls have fixed costs).
 void grouped_linears(std::vector<LinearJob>& jobs) {
@@ -203,7 +203,7 @@ void grouped_linears(std::vector<LinearJob>& jobs) {
     for (size_t i = next++; i < items.size(); i = next++) {
       const Item& it = items[i];
       LinearJob& job = jobs[it.job];
-      const at::Tensor part = seg_matmul(job.x, *job.packed[it.seg], *job.scales[it.seg], job.specs[it.seg], it.b0, it.nb);
+      const at::Tensor part = segment_matmul(job.x, *job.packed[it.seg], *job.scales[it.seg], job.specs[it.seg], it.b0, it.nb);
       const int64_t rows = part.size(0), size = part.element_size(), bytes = part.size(1) * size;
       auto* dst = static_cast<char*>(job.out.data_ptr()) + it.col * size;
       const auto* src = static_cast<const char*>(part.const_data_ptr());

@@ -38,5 +38,8 @@ struct LinearJob {
   std::vector<const int64_t*> specs;
   at::Tensor out;  // allocated by grouped_linears
 };
+// x @ W^T for output rows [16 b0, 16 (b0 + nb)) of one segment (its packed tensor, fp8 scale and 6 ints).
+at::Tensor segment_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const int64_t* spec,
+                          int64_t b0, int64_t nb);
 // Every job's product in one parallel region: the threads take (job, segment, block range) items in turn.
 void grouped_linears(std::vector<LinearJob>& jobs);
