@@ -24,7 +24,7 @@ from tests.server_util import start_server, stop_server, wait_idle
 pytestmark = pytest.mark.reliability
 
 SEEDS = [int(s) for s in os.environ.get("EMBER_FUZZ_SEEDS", "1").split(",")]
-EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "30"))  # per operation, fuzzing phase
+EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "20"))  # per operation, fuzzing phase
 MAX_RESPONSE_S = 5.0
 
 

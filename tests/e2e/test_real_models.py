@@ -188,8 +188,8 @@ def test_gguf_equals_the_converted_folder_token_for_token(
 ) -> None:
     """The folders transformers 5 writes from the file (and their transformers-4 layout) load and give
     Ember the same tokens and logprobs as the file itself."""
-    # the older layout differs in config files only
-    count = len(reference["runs"]) if layout == "hf-v5" else 4
+    # four prompts; the older layout differs in config files only: two
+    count = 4 if layout == "hf-v5" else 2
     folder = ember_runs(real[layout], [r["prompt"] for r in reference["runs"][:count]], False)
     for i, ((a, lpa), (b, lpb)) in enumerate(zip(batched[:count], folder, strict=True)):
         assert a == b, f"prompt {i}"
@@ -218,6 +218,8 @@ def test_folder_chat_prompt_ids_and_eos_equal_transformers(real: dict[str, Path]
 # under what was measured when this was written (printed by the test). Kernel "cpu_bf16" is the native
 # CPU fast path: with no quantization the file's own bits on the integer-dot matmul (activations
 # quantized to int8 per 32 inputs, as llama.cpp does), online int8 / int4 on the same matmul.
+# The online methods and the fp8 cache are the same code on either model: the larger one runs bf16 and
+# its file's own K-quant bits on the native path (with and without int8), the smaller one the rest.
 FLOORS = {  # measured: top-1, KL
     ("smollm2", "bfloat16", None, "torch", "auto"): (0.96, 3e-3),  # 0.975, 1.2e-3
     ("smollm2", "float32", "fp8_per_tensor", "torch", "auto"): (0.93, 0.03),  # 0.947, 1.5e-2
@@ -231,13 +233,9 @@ FLOORS = {  # measured: top-1, KL
         6e-3,
     ),  # 0.960, 3.9e-3: Q4_1 bits, int8 activations
     ("qwen-0.5b", "bfloat16", None, "torch", "auto"): (0.97, 3e-3),  # 0.989, 1.4e-3
-    ("qwen-0.5b", "float32", "fp8_per_tensor", "torch", "auto"): (0.96, 6e-3),  # 0.974, 3.1e-3
-    ("qwen-0.5b", "float32", "int8", "torch", "auto"): (0.97, 4e-3),  # 0.984, 2.0e-3
-    ("qwen-0.5b", "float32", "int4", "torch", "auto"): (0.9, 0.06),  # 0.925, 3.5e-2: Q5_0/Q6_K/Q8_0 in 4 bits
     ("qwen-0.5b", "bfloat16", None, "cpu_bf16", "auto"): (0.96, 4e-3),  # 0.980, 2.1e-3: the file's own bits
     ("qwen-0.5b", "bfloat16", "int8", "cpu_bf16", "auto"): (0.97, 4e-3),  # 0.990, 2.3e-3
     ("smollm2", "bfloat16", None, "torch", "fp8"): (0.94, 1e-2),  # 0.962, 6.9e-3 (bf16 cache: 0.975, 1.2e-3)
-    ("qwen-0.5b", "bfloat16", None, "torch", "fp8"): (0.96, 1.8e-2),  # 0.980, 1.2e-2 (0.989, 1.4e-3)
 }
 
 
@@ -274,7 +272,7 @@ def test_bf16_and_online_quantization_teacher_forced(real: dict[str, Path], refe
 def test_chat_over_http_renders_like_transformers_and_stops_at_end_of_turn(real: dict[str, Path]) -> None:
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(real["gguf"].parent, gguf_file=real["gguf"].name)
+    hf = AutoTokenizer.from_pretrained(real["hf-v5"])  # transformers' own tokenizer of the file
     want = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
     want = list(want["input_ids"] if hasattr(want, "keys") else want)
     proc, url = start_server(str(real["gguf"]), "--max-model-len", "2048", name="real")

@@ -31,7 +31,7 @@ def native(native_kernels: None) -> None:
     torch references would dequantize both models to float32 (about 20 GB with the draft)."""
 
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 TIE = 1e-3
 SHORT_FUNCTION = (
     "def area(w, h):\n    if w < 0 or h < 0:\n        raise ValueError('negative side')\n    return w * h\n"
