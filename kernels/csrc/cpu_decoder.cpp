@@ -26,10 +26,6 @@
 
 namespace {
 
-// per segment: kind (a qgemm format, -1 packed bf16, -2 fp8: cpu_moe.cpp's segment_matmul), group,
-// zero, offsets, params, rows
-constexpr int64_t kSegInts = 6;
-
 // Linear i of the layer, as its method applies it: each segment's matmul (qgemm kinds 0..3, bf16, fp8),
 // several side by side in one parallel region (cpu_moe.cpp's grouped_linears), then the bias when it
 // has one. `specs` per linear: the segment

@@ -37,7 +37,6 @@
 
 namespace {
 
-constexpr int64_t kSegBf16 = -1, kSegFp8 = -2, kSegInts = 6;  // as cpu_decoder.cpp's segment specs
 constexpr int64_t kSoftmax = 0, kTopkSoftmax = 1, kSigmoid = 2;  // moe.py's SCORINGS
 constexpr int64_t kActSilu = 0, kActGeluTanh = 1;
 constexpr int64_t kItemBlocks = 8;  // the fewest blocks of 16 output rows in a work item
@@ -166,7 +165,7 @@ inline float value(const T* p, int64_t i) {
 
 // Output rows [16 b0, 16 (b0 + nb)) of one weight segment for x (see cpu_ops.h).
 at::Tensor segment_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const int64_t* spec,
-                      int64_t b0, int64_t nb) {
+                          int64_t b0, int64_t nb) {
   const int64_t n = std::min(nb * 16, spec[5] - b0 * 16);
   const at::Tensor w = packed.narrow(0, b0, nb);
   if (spec[0] == kSegBf16) return gemm_bf16(x, w, n);

@@ -32,6 +32,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 // One linear of a group product (cpu_moe.cpp): out [rows of x, sum of the segments' rows] = x @ W^T,
 // W given as segments, each a packed tensor, its fp8 scale (or empty) and 6 ints (kind: a qgemm format,
 // -1 packed bf16, -2 fp8; group, zero, offsets, params, rows), as cpu_decoder.cpp's specs.
+constexpr int64_t kSegBf16 = -1, kSegFp8 = -2;  // segment kinds besides the qgemm formats
+constexpr int64_t kSegInts = 6;                 // ints per segment in a spec
 struct LinearJob {
   at::Tensor x;
   std::vector<const at::Tensor*> packed, scales;
