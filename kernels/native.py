@@ -7,8 +7,10 @@ flags (the build uses -march=native; $EMBER_CPU_MARCH names another target, e.g.
 and measure the 256-bit kernels on an AVX-512 machine, icelake-server the AVX-512 FMA ones on an
 AMX machine), and registers torch.ops.ember.{gemm_bf16 (on AMX tiles where the build targets them:
 csrc/cpu_amx.cpp), gemm_fp8, qgemm, decode_attention, rms_norm, rotary_, silu_and_mul, write_kv}.
-`use_native` decides once per process; $EMBER_CPU_KERNELS=torch turns the native ops off (the torch
-references then run everywhere), =native makes their absence an error.
+The K-quants' few-row products walk a weight the way this CPU streams best (one block and the
+hardware prefetcher on AMD, several blocks and software prefetch elsewhere; $EMBER_QWALK="blocks:ahead"
+overrides, for benchmarks). `use_native` decides once per process; $EMBER_CPU_KERNELS=torch turns the
+native ops off (the torch references then run everywhere), =native makes their absence an error.
 """
 
 from __future__ import annotations

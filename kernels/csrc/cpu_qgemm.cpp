@@ -32,8 +32,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 namespace {
 
@@ -211,6 +214,30 @@ void many_rows(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t 
   });
 }
 
+}  // namespace
+
+namespace qblocks {
+
+const Walk& few_walk() {
+  static const Walk walk = [] {
+    if (const char* v = std::getenv("EMBER_QWALK")) {
+      int blocks = 0;
+      long long ahead = -1;
+      TORCH_CHECK(std::sscanf(v, "%d:%lld", &blocks, &ahead) == 2 && blocks >= 1 && ahead >= 0,
+                  "EMBER_QWALK must be BLOCKS:AHEAD (e.g. 1:0 or 4:16), not ", v);
+      return Walk{blocks == 1 ? 1 : 4, ahead};
+    }
+    __builtin_cpu_init();
+    if (__builtin_cpu_is("amd")) return Walk{1, 0};
+    return Walk{4, 16};
+  }();
+  return walk;
+}
+
+}  // namespace qblocks
+
+namespace {
+
 template <int F, int GS>
 void run_format(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t n) {
   if (M == 1) return few_rows<1, F, GS>(x, wt, out, n, n);
@@ -304,6 +331,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   // whether the K-quants' many-row products run on AMX tiles here (cpu_qamx.h): tests and benchmarks
   m.def("qgemm_tiles() -> bool", [] { return qamx_ready(); });
+  // how the K-quants' few-row products walk a weight here: [blocks at once (1, or the widest), superblocks of
+  // software prefetch ahead]
+  m.def("qgemm_walk() -> int[]", [] { return std::vector<int64_t>{few_walk().blocks, few_walk().ahead}; });
   m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, int params, int n) -> Tensor",
         qgemm);
 }

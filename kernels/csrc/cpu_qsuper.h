@@ -195,26 +195,36 @@ inline __attribute__((always_inline)) void super_dots(const XRow* x, const Super
 #endif
 }
 
-// Superblocks ahead that the few-row paths prefetch their packed stream (one row of Q6_K 1536 x 8960 on a
-// Sapphire Rapids class Xeon: 15.5-17.5 GB/s without, 18.4-18.9 at 8 or 16 ahead; Q4_K needs it beside
-// walking several blocks).
-constexpr int64_t kPrefetch = 16;
+// How the few-row paths walk a packed weight on this CPU: blocks at once (several streams in flight) and
+// superblocks of software prefetch ahead (0: none). The two CPU families want opposite walks. On a Sapphire
+// Rapids class Xeon one row of Q4_K 8960 x 1536 streamed 15.5 GB/s one block at a time, 18.3 four at a
+// time 16 superblocks ahead (Q6_K 1536 x 8960: 15.5-17.5 without the prefetch, 18.4-18.9 with it). On a
+// 2-core Zen 4 (weights beyond the L3, 2 threads) that walk streamed Q4_K 1536 x 8960 at 19 GB/s and Q6_K
+// at 17, one block with the hardware prefetcher alone at 28-32 and 23 (35 GB/s the read ceiling), the
+// 256-bit build alike (14 -> 30, 12 -> 21): software prefetches of four streams filled the core's miss
+// buffers and stalled it. Chosen once per process (cpu_qgemm.cpp): AMD one block and no prefetch, others
+// four (two for two or three rows) and 16 ahead; $EMBER_QWALK="blocks:ahead" overrides for benchmarks.
+struct Walk {
+  int blocks;     // 1, or the build's widest (super_few)
+  int64_t ahead;  // superblocks; 0: the hardware prefetcher alone
+};
+const Walk& few_walk();
 
 // acc[R][NB][H] += R rows . NB blocks over un superblocks from u0 (unit u of block j at unit0 + u * us +
 // j * js). Per superblock: the minimums' integer sums (with offsets their own float step, first), then the
 // groups' scaled integer sums, then one float step: acc = fma(sum, d * D, acc).
 template <int R, int NB, int F, int GS, bool OFFS, bool BYTES>
 void super_tile(const XRow* x, const uint8_t* unit0, const Weights& wt, int64_t js, int64_t us, int64_t u0,
-                int64_t un, VF (&acc)[R][NB][kHalves]) {
+                int64_t un, VF (&acc)[R][NB][kHalves], int64_t ahead = 0) {
   using At = SuperAt<F, GS, OFFS, BYTES>;
   constexpr int H = kHalves;
   for (int64_t u = 0; u < un; ++u) {
     const At at(unit0 + u * us, wt, js);
     const int64_t ug = u0 + u;
-    if constexpr (!BYTES)  // the packed streams, kPrefetch superblocks ahead (a prefetch never faults)
-      for (int j = 0; j < NB; ++j)
+    if constexpr (!BYTES)  // the packed streams, `ahead` superblocks ahead (a prefetch never faults)
+      for (int j = 0; ahead && j < NB; ++j)
         for (int64_t o = 0; o < us; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(unit0) + (u + kPrefetch) * us + j * js + o),
+          _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(unit0) + (u + ahead) * us + j * js + o),
                        _MM_HINT_T0);
     VI sum[R][NB][H];
     EMBER_TILE for (int r = 0; r < R; ++r)
@@ -335,20 +345,16 @@ void super_many(const XRow* x, int64_t M, const Weights& wt, float* out, int64_t
   });
 }
 
-// 1-3 rows: the packed bits stream once (blocks split among threads, G at a time).
-template <int R, int F, int GS, bool OFFS>
-void super_few(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
-  // blocks walked at once: with 512-bit vectors 4 for one row, 2 for two or three (more streams in flight:
-  // on a Sapphire Rapids class Xeon one row of Q4_K 8960 x 1536 streamed 15.5 GB/s one block at a time,
-  // 18.3 four at a time, with the prefetch above; 8 spilled); with 256-bit ones, whose 16 registers hold
-  // fewer sums, 2 for one row, else 1
-  constexpr int G = kHalves == 1 ? (R == 1 ? 4 : 2) : (R == 1 ? 2 : 1);
+// 1-3 rows: the packed bits stream once, blocks split among threads, G at a time (few_walk()).
+template <int R, int F, int GS, bool OFFS, int G>
+void super_few_walk(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n, int64_t ahead) {
   auto blocks = [&]<int NB>(std::integral_constant<int, NB>, int64_t b) {
     VF acc[R][NB][kHalves];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j)
         for (int h = 0; h < kHalves; ++h) acc[r][j][h] = vfzero();
-    super_tile<R, NB, F, GS, OFFS, false>(x, wt.w + b * wt.bstride(), wt, wt.bstride(), wt.gbytes, 0, wt.groups, acc);
+    super_tile<R, NB, F, GS, OFFS, false>(x, wt.w + b * wt.bstride(), wt, wt.bstride(), wt.gbytes, 0, wt.groups, acc,
+                                          ahead);
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < NB; ++j) store_block(acc[r][j], out + r * ldo, (b + j) * kBlock, n);
   };
@@ -362,6 +368,16 @@ void super_few(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_
       for (int64_t t = b; t < wt.nblocks; ++t) blocks(std::integral_constant<int, 1>{}, t);
     }
   });
+}
+
+// The widest walk (several blocks at once: 4 for one row with 512-bit vectors, 2 for two or three; with
+// 256-bit ones, whose 16 registers hold fewer sums, 2 for one row, else 1; 8 spilled) or one block.
+template <int R, int F, int GS, bool OFFS>
+void super_few(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
+  constexpr int G = kHalves == 1 ? (R == 1 ? 4 : 2) : (R == 1 ? 2 : 1);
+  const Walk& walk = few_walk();
+  if (walk.blocks == 1) return super_few_walk<R, F, GS, OFFS, 1>(x, wt, out, ldo, n, walk.ahead);
+  super_few_walk<R, F, GS, OFFS, G>(x, wt, out, ldo, n, walk.ahead);
 }
 
 // The superblock formats' matmul: M rows of x (quantized by quantize_rows_super) against wt.

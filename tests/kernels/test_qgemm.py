@@ -13,6 +13,9 @@ Run: `pytest -q tests/kernels/test_qgemm.py` (the first run builds the ops, unde
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +24,7 @@ from workers.quant import make_method
 from workers.quant.packed import PackedBf16
 
 pytestmark = pytest.mark.model
+REPO = Path(__file__).resolve().parents[2]
 
 FORMATS = [
     QFormat("i8"),
@@ -166,6 +170,68 @@ def test_tile_path_equals_the_vector_path(native_ops, fmt: QFormat) -> None:
     torch.testing.assert_close(alone.double(), exact, atol=1e-2, rtol=1e-2)
     tiles = "on" if torch.ops.ember.qgemm_tiles() else "not built or not granted here"
     print(f"{fmt_id(fmt)}: tile path {tiles}")
+
+
+WALK_SCRIPT = """
+import sys, torch
+from kernels.native import load_native
+from kernels.qgemm import QFormat, qgemm
+assert load_native() is None
+case = torch.load(sys.argv[1])
+print(list(torch.ops.ember.qgemm_walk()))
+out = {
+    name: [qgemm(x, packed, QFormat(**attrs), n) for x in case["xs"]]
+    for name, (attrs, packed, n) in case["w"].items()
+}
+torch.save(out, sys.argv[2])
+"""
+
+
+def test_few_row_walk_is_chosen_per_cpu_and_never_changes_bits(native_ops, tmp_path) -> None:
+    """The K-quants' one-to-three-row products stream the weight once, walking one block at a time with
+    the hardware prefetcher alone on AMD cores and four (two) blocks with software prefetch elsewhere
+    (cpu_qsuper.h, few_walk); $EMBER_QWALK overrides it, a malformed value is refused, and every walk
+    gives the same bits for 1, 2 and 3 rows (the walk only orders the blocks)."""
+    import subprocess
+    import sys
+
+    walk = list(torch.ops.ember.qgemm_walk())
+    amd = "AuthenticAMD" in open("/proc/cpuinfo").read()
+    assert walk == ([1, 0] if amd else [4, 16]), walk
+    gen = torch.Generator().manual_seed(3)
+    weights = {}
+    for f in SUPER_FORMATS[1:]:
+        n = 16 * 9 + 5  # blocks past a walk of four, and a partial one
+        weights[fmt_id(f)] = (f.attrs(), random_weight(f, n, 768, 3)[0], n)
+    xs = [torch.randn(m, 768, generator=gen).bfloat16() for m in (1, 2, 3)]
+    torch.save({"xs": xs, "w": weights}, tmp_path / "case.pt")
+    here = {
+        name: [qgemm(x, packed, QFormat(**attrs), n) for x in xs]
+        for name, (attrs, packed, n) in weights.items()
+    }
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for value in ("1:0", "4:16", "4:0"):
+        run = subprocess.run(
+            [sys.executable, "-c", WALK_SCRIPT, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+            env=dict(env, EMBER_QWALK=value),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.split()[-2:] == [f"[{value.split(':')[0]},", f"{value.split(':')[1]}]"], run.stdout
+        there = torch.load(tmp_path / "out.pt")
+        for name, outs in here.items():
+            for m, (a, b) in enumerate(zip(outs, there[name]), 1):
+                assert torch.equal(a, b), f"{name}, {m} rows, walk {value}"
+    bad = subprocess.run(
+        [sys.executable, "-c", WALK_SCRIPT, str(tmp_path / "case.pt"), str(tmp_path / "out.pt")],
+        env=dict(env, EMBER_QWALK="fast"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode != 0 and "EMBER_QWALK must be BLOCKS:AHEAD" in bad.stderr
 
 
 def test_qgemm_refuses_mismatched_shapes(native_ops) -> None:
