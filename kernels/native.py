@@ -34,6 +34,7 @@ SOURCES = tuple(
     for f in (
         "cpu_gemm.cpp",
         "cpu_amx.cpp",
+        "cpu_dpbf16.cpp",
         "cpu_qgemm.cpp",
         "cpu_gguf.cpp",
         "cpu_weights.cpp",

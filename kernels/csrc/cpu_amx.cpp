@@ -209,37 +209,53 @@ at::Tensor pack_amx(const at::Tensor& w) {
   return out;
 }
 
-// x [M, K] (float32, bf16 or fp16), packed from pack_amx, n = true output count.
-at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(amx_ready(), "gemm_amx: this build or CPU has no AMX-BF16");
+// Rows of x [M, K] -> `terms` bf16 copies [terms][Mp][Kp] at dst (zeros past K and M already there).
+void bf16_terms(const at::Tensor& xc, int terms, int64_t Mp, int64_t Kp, uint16_t* dst) {
+  const int64_t M = xc.size(0), K = xc.size(1);
+  const auto dtype = xc.scalar_type();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      uint16_t* row = dst + m * Kp;
+      if (dtype == at::kBFloat16)
+        split_row(xc.const_data_ptr<c10::BFloat16>() + m * K, K, 1, Mp * Kp, row);
+      else if (dtype == at::kHalf)
+        split_row(xc.const_data_ptr<c10::Half>() + m * K, K, terms, Mp * Kp, row);
+      else
+        split_row(xc.const_data_ptr<float>() + m * K, K, terms, Mp * Kp, row);
+    }
+  });
+}
+
+// The checks of the pair layouts' matmuls (gemm_amx, gemm_dpbf16): xc = x made contiguous, and the output
+// [M, n] in x's dtype (zeros where K is 0).
+at::Tensor pairs_output(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& xc) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock, "gemm: bad shapes");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && packed.is_contiguous(),
               "gemm: contiguous CPU tensors only");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "gemm_bf16: the packed weight must be bf16");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0), K = xc.size(1), Kp = round_k(K), NB = packed.size(0);
-  TORCH_CHECK(packed.size(1) == Kp && n <= NB * kBlock && n > (NB - 1) * kBlock, "gemm: weight/input mismatch");
+  xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), NB = packed.size(0);
+  TORCH_CHECK(packed.size(1) == round_k(K) && n <= NB * kBlock && n > (NB - 1) * kBlock,
+              "gemm: weight/input mismatch");
   const auto dtype = xc.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "gemm: activations must be float32, bfloat16 or float16");
-  if (K == 0) return at::zeros({M, n}, xc.options());
-  at::Tensor out = at::empty({M, n}, xc.options());
-  if (M == 0) return out;
+  return K == 0 ? at::zeros({M, n}, xc.options()) : at::empty({M, n}, xc.options());
+}
+
+// x [M, K] (float32, bf16 or fp16), packed from pack_amx, n = true output count.
+at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(amx_ready(), "gemm_amx: this build or CPU has no AMX-BF16");
+  at::Tensor xc;
+  at::Tensor out = pairs_output(x, packed, n, xc);
+  const int64_t M = xc.size(0), K = xc.size(1), Kp = round_k(K), NB = packed.size(0);
+  const auto dtype = xc.scalar_type();
+  if (M == 0 || K == 0) return out;
 #ifdef EMBER_AMX
   const int terms = dtype == at::kBFloat16 ? 1 : 3;
   const int64_t Mp = (M + kTileRows - 1) / kTileRows * kTileRows;
   const std::unique_ptr<uint16_t[]> a(new uint16_t[terms * Mp * Kp]());  // zero padding
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      uint16_t* dst = a.get() + m * Kp;
-      if (dtype == at::kBFloat16)
-        split_row(xc.const_data_ptr<c10::BFloat16>() + m * K, K, 1, Mp * Kp, dst);
-      else if (dtype == at::kHalf)
-        split_row(xc.const_data_ptr<c10::Half>() + m * K, K, terms, Mp * Kp, dst);
-      else
-        split_row(xc.const_data_ptr<float>() + m * K, K, terms, Mp * Kp, dst);
-    }
-  });
+  bf16_terms(xc, terms, Mp, Kp, a.get());
   const uint16_t* w = static_cast<const uint16_t*>(packed.const_data_ptr());
   if (dtype == at::kBFloat16)
     amx_matmul(a.get(), terms, M, Mp, Kp, w, NB, n, out.mutable_data_ptr<c10::BFloat16>());

@@ -368,6 +368,7 @@ at::Tensor gemm_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n,
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16, "gemm_bf16: the packed weight must be bf16");
   if (amx_ready()) return gemm_amx(x, packed, n);  // its own layout (pack_weight below)
+  if (dpbf16_built()) return gemm_dpbf16(x, packed, n);  // the same bytes
   return gemm_packed<kBf16>(x, packed, n, 1.0f);
 }
 
@@ -405,7 +406,7 @@ void pack_blocks(const E* w, int64_t N, int64_t K, E* out) {
 
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu(), "pack_weight: a 2-D CPU tensor");
-  if (w.scalar_type() == at::kBFloat16 && amx_ready()) return pack_amx(w);
+  if (w.scalar_type() == at::kBFloat16 && (amx_ready() || dpbf16_built())) return pack_amx(w);
   const at::Tensor wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1);
   at::Tensor out = weight_empty({(N + kBlock - 1) / kBlock, K, kBlock}, wc.scalar_type());
@@ -422,7 +423,8 @@ at::Tensor pack_weight(const at::Tensor& w) {
 
 TORCH_LIBRARY(ember, m) {
   m.def("pack_weight(Tensor w) -> Tensor", pack_weight);
-  m.def("bf16_layout() -> str", [] { return std::string(amx_ready() ? "amx32" : "packed16"); });
+  m.def("bf16_layout() -> str",
+        [] { return std::string(amx_ready() ? "amx32" : dpbf16_built() ? "pairs32" : "packed16"); });
   m.def("amx_claim() -> bool", amx_claim);
   m.def("gemm_bf16(Tensor x, Tensor packed, int n) -> Tensor", gemm_bf16);
   m.def("gemm_fp8(Tensor x, Tensor packed, Tensor scale, int n) -> Tensor", gemm_fp8);

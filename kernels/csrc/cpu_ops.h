@@ -1,4 +1,4 @@
-// The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_amx.cpp, cpu_qgemm.cpp,
+// The native CPU ops as C++ functions (defined in cpu_gemm.cpp, cpu_amx.cpp, cpu_dpbf16.cpp, cpu_qgemm.cpp,
 // cpu_attention.cpp, cpu_layer_ops.cpp, cpu_moe.cpp and cpu_weights.cpp), for ops that chain them without going back
 // to Python (cpu_decoder.cpp) and for the packing ops.
 #pragma once
@@ -14,6 +14,10 @@ bool amx_ready();  // bf16 matmuls on AMX tiles: this build targets AMX-BF16 and
 bool amx_claim();  // the tile-state request again (after a CRIU restore)
 at::Tensor pack_amx(const at::Tensor& w);
 at::Tensor gemm_amx(const at::Tensor& x, const at::Tensor& packed, int64_t n);
+at::Tensor pairs_output(const at::Tensor& x, const at::Tensor& packed, int64_t n, at::Tensor& xc);
+void bf16_terms(const at::Tensor& xc, int terms, int64_t Mp, int64_t Kp, uint16_t* dst);  // x as bf16 terms
+bool dpbf16_built();  // the AVX512-BF16 kernels of cpu_dpbf16.cpp (the "pairs32" layout, AMX's bytes)
+at::Tensor gemm_dpbf16(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor gemm_fp8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, int64_t n);
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int64_t group, int64_t zero,
                  bool offsets, int64_t params, int64_t n);

@@ -342,6 +342,34 @@ def test_gemm_is_batch_invariant(native_ops, fmt: str) -> None:
         assert torch.equal(run(rows), full[rows]), rows
 
 
+def test_bf16_layout_follows_the_cpu(native_ops) -> None:
+    """The bf16 layout is the best kernel this build and CPU run: AMX tiles where granted, else the
+    AVX512-BF16 `vdpbf16ps` kernels on the same bytes ("pairs32": Zen 4 / 5), else the FMA kernels'
+    "packed16" (AVX2, or an AVX-512 build without BF16). On "pairs32" rows alone equal rows in any
+    batch for bf16 and float32 activations (three bf16 terms) over several passes of 256 pairs of k,
+    a walk of four blocks and a ragged rest, and float32 activations keep float32's precision."""
+    flags = set(open("/proc/cpuinfo").read().split())
+    march = os.environ.get("EMBER_CPU_MARCH", "").strip()
+    layout = bf16_layout()
+    if layout != "amx32":
+        native_bf16 = "avx512_bf16" in flags and march in ("", "native")
+        assert layout == ("pairs32" if native_bf16 else "packed16"), (layout, march)
+    if layout != "pairs32":
+        pytest.skip(f"the pair kernels do not run here (layout {layout})")
+    gen = torch.Generator().manual_seed(5)
+    n, k = 16 * 9 + 7, 1100  # 10 blocks: two walks of four, a rest of two; 550 pairs: three passes
+    dense = torch.randn(n, k, generator=gen)
+    w = pack_bf16(dense.bfloat16())
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(40, k, generator=gen).to(dtype)
+        full = gemm_bf16(x, w, n)
+        for rows in (slice(0, 1), slice(3, 5), slice(7, 10), slice(10, 17), slice(17, 40)):
+            assert torch.equal(gemm_bf16(x[rows], w, n), full[rows]), (dtype, rows)
+        exact = x.double() @ dense.bfloat16().double().t()
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(full.double(), exact, atol=tol, rtol=tol)
+
+
 def test_bench_gemm_prints_its_rows(
     native_ops, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
