@@ -43,16 +43,23 @@ SAMPLES = [
 IDENTITIES = st.sampled_from([b"w1", b"w0", b"w9", b"", b"\xff" * 8])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port_pair() -> int:
+    """A port P with P + 1 free too (the head's master port and its workers' link)."""
+    while True:
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = int(a.getsockname()[1])
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 @pytest.fixture(scope="module")
 def head(make_ckpt):
     llama = str(make_ckpt("llama"))
-    port = free_port()
+    port = free_port_pair()
     nodes = dict(nnodes=2, master_addr="127.0.0.1", master_port=port, tensor_parallel_size=2)
     config = EngineConfig.create(llama, dtype="float32", max_model_len=128, **nodes)
     core = CoreProcess(config, wait=False)
@@ -62,8 +69,12 @@ def head(make_ckpt):
             socket.create_connection(("127.0.0.1", port + 1), timeout=1).close()
             break
         except OSError:
-            assert core.proc.poll() is None and time.monotonic() < deadline, "the head never listened"
-            time.sleep(0.2)
+            if core.proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            code = core.proc.poll()
+            core.stop(grace=5)  # a head left running would outlive the module (and its sockets a later test)
+            pytest.fail(f"the head never listened on {port + 1} (exit code {code})")
     ctx = zmq.Context()
     yield core, ctx, f"tcp://127.0.0.1:{port + 1}", llama, port
     core.stop(grace=5)
