@@ -225,11 +225,11 @@ const Walk& few_walk() {
       long long ahead = -1;
       TORCH_CHECK(std::sscanf(v, "%d:%lld", &blocks, &ahead) == 2 && blocks >= 1 && ahead >= 0,
                   "EMBER_QWALK must be BLOCKS:AHEAD (e.g. 1:0 or 4:16), not ", v);
-      return Walk{blocks == 1 ? 1 : 4, ahead};
+      return Walk{blocks == 1 ? 1 : kWidestWalk, ahead};
     }
     __builtin_cpu_init();
     if (__builtin_cpu_is("amd")) return Walk{1, 0};
-    return Walk{4, 16};
+    return Walk{kWidestWalk, 16};
   }();
   return walk;
 }
@@ -331,9 +331,10 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, int64_t fmt, int
 TORCH_LIBRARY_FRAGMENT(ember, m) {
   // whether the K-quants' many-row products run on AMX tiles here (cpu_qamx.h): tests and benchmarks
   m.def("qgemm_tiles() -> bool", [] { return qamx_ready(); });
-  // how the K-quants' few-row products walk a weight here: [blocks at once (1, or the widest), superblocks of
-  // software prefetch ahead]
-  m.def("qgemm_walk() -> int[]", [] { return std::vector<int64_t>{few_walk().blocks, few_walk().ahead}; });
+  // how the K-quants' one-row products walk a weight here: [blocks at once (1, or the build's widest),
+  // superblocks of software prefetch ahead, the build's widest walk (4 with 512-bit vectors, 2 with 256-bit)]
+  m.def("qgemm_walk() -> int[]",
+        [] { return std::vector<int64_t>{few_walk().blocks, few_walk().ahead, kWidestWalk}; });
   m.def("qgemm(Tensor x, Tensor packed, int fmt, int group, int zero, bool offsets, int params, int n) -> Tensor",
         qgemm);
 }

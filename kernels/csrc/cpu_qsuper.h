@@ -203,9 +203,10 @@ inline __attribute__((always_inline)) void super_dots(const XRow* x, const Super
 // at 17, one block with the hardware prefetcher alone at 28-32 and 23 (35 GB/s the read ceiling), the
 // 256-bit build alike (14 -> 30, 12 -> 21): software prefetches of four streams filled the core's miss
 // buffers and stalled it. Chosen once per process (cpu_qgemm.cpp): AMD one block and no prefetch, others
-// four (two for two or three rows) and 16 ahead; $EMBER_QWALK="blocks:ahead" overrides for benchmarks.
+// the widest walk (super_few) and 16 ahead; $EMBER_QWALK="blocks:ahead" overrides for benchmarks.
+constexpr int kWidestWalk = kHalves == 1 ? 4 : 2;  // blocks at once for one row (fewer for two or three)
 struct Walk {
-  int blocks;     // 1, or the build's widest (super_few)
+  int blocks;     // 1, or kWidestWalk
   int64_t ahead;  // superblocks; 0: the hardware prefetcher alone
 };
 const Walk& few_walk();
@@ -374,7 +375,7 @@ void super_few_walk(const XRow* x, const Weights& wt, float* out, int64_t ldo, i
 // 256-bit ones, whose 16 registers hold fewer sums, 2 for one row, else 1; 8 spilled) or one block.
 template <int R, int F, int GS, bool OFFS>
 void super_few(const XRow* x, const Weights& wt, float* out, int64_t ldo, int64_t n) {
-  constexpr int G = kHalves == 1 ? (R == 1 ? 4 : 2) : (R == 1 ? 2 : 1);
+  constexpr int G = R == 1 ? kWidestWalk : kHalves == 1 ? 2 : 1;
   const Walk& walk = few_walk();
   if (walk.blocks == 1) return super_few_walk<R, F, GS, OFFS, 1>(x, wt, out, ldo, n, walk.ahead);
   super_few_walk<R, F, GS, OFFS, G>(x, wt, out, ldo, n, walk.ahead);
