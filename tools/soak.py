@@ -110,7 +110,11 @@ async def one(http: httpx.AsyncClient, k: int, behaviour: str, body: dict) -> Ou
 async def drive(args: argparse.Namespace, url: str, sampler: RssSampler) -> tuple[list[Outcome], float]:
     rng = random.Random(args.seed)
     names, weights = zip(*BEHAVIOURS.items())
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    # idle connections are dropped before the server's keep-alive timeout (uvicorn's 5 s, httpx's default
+    # expiry too): reusing one the server is closing at that moment fails with a reset (ReadError)
+    limits = httpx.Limits(
+        max_connections=args.concurrency, max_keepalive_connections=args.concurrency, keepalive_expiry=2.0
+    )
     gate = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout, limits=limits) as http:
 

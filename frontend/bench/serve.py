@@ -373,7 +373,8 @@ async def run_benchmark(cfg: BenchServeConfig) -> dict[str, Any]:
     import httpx
 
     requests = make_requests(cfg)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # idle connections expire before the server's keep-alive timeout (5 s): no reuse of a closing one
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout), limits=limits) as client:
         model = await _resolve_model(client, cfg)
         # settled: counters of earlier load may still be on their way to /metrics (refreshed every second)
