@@ -33,7 +33,6 @@
 namespace {
 
 constexpr int64_t kBlock = 16;   // output rows per block
-constexpr int64_t kPad = 32;     // k rounded up to (the tile layout's)
 constexpr int kWalk = 4;         // blocks a thread walks at once
 constexpr int kRows = 6;         // rows per tile: 6 x 4 sums, 4 weight vectors and a broadcast in 32 registers
 constexpr int64_t kPairs = 256;  // pairs of k per pass: 4 blocks' 32 KiB slice stays in L1/L2 for every tile
@@ -57,30 +56,31 @@ inline void tile(const uint16_t* a, int64_t Kp, int64_t ts, const uint16_t* w, i
   }
 }
 
-// Rows [m, m + R) against G blocks over one pass of pairs, their sums parked in acc [M][G * 16] between
+// Rows [m, m + R) against G blocks over one pass of pairs, their sums parked in acc [G][M][16] between
 // passes (exact: a float32 stored and loaded back is the same float32).
 template <int R, int G, int T>
-void pass_rows(const uint16_t* a, int64_t m, int64_t Kp, int64_t ts, const uint16_t* w, int64_t p0, int64_t p1,
-               float* acc) {
+void pass_rows(const uint16_t* a, int64_t m, int64_t M, int64_t Kp, int64_t ts, const uint16_t* w, int64_t p0,
+               int64_t p1, float* acc) {
   __m512 c[R][G];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < G; ++j) c[r][j] = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (m + r) * G * kBlock + j * kBlock);
+    for (int j = 0; j < G; ++j)
+      c[r][j] = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (j * M + m + r) * kBlock);
   tile<R, G, T>(a + m * Kp, Kp, ts, w, p0, p1, c);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < G; ++j) _mm512_storeu_ps(acc + (m + r) * G * kBlock + j * kBlock, c[r][j]);
+    for (int j = 0; j < G; ++j) _mm512_storeu_ps(acc + (j * M + m + r) * kBlock, c[r][j]);
 }
 
 template <int G, int T>
 void pass_all(const uint16_t* a, int64_t M, int64_t Kp, int64_t ts, const uint16_t* w, int64_t p0, int64_t p1,
               float* acc) {
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) pass_rows<kRows, G, T>(a, m, Kp, ts, w, p0, p1, acc);
+  for (; m + kRows <= M; m += kRows) pass_rows<kRows, G, T>(a, m, M, Kp, ts, w, p0, p1, acc);
   switch (M - m) {
-    case 5: pass_rows<5, G, T>(a, m, Kp, ts, w, p0, p1, acc); break;
-    case 4: pass_rows<4, G, T>(a, m, Kp, ts, w, p0, p1, acc); break;
-    case 3: pass_rows<3, G, T>(a, m, Kp, ts, w, p0, p1, acc); break;
-    case 2: pass_rows<2, G, T>(a, m, Kp, ts, w, p0, p1, acc); break;
-    case 1: pass_rows<1, G, T>(a, m, Kp, ts, w, p0, p1, acc); break;
+    case 5: pass_rows<5, G, T>(a, m, M, Kp, ts, w, p0, p1, acc); break;
+    case 4: pass_rows<4, G, T>(a, m, M, Kp, ts, w, p0, p1, acc); break;
+    case 3: pass_rows<3, G, T>(a, m, M, Kp, ts, w, p0, p1, acc); break;
+    case 2: pass_rows<2, G, T>(a, m, M, Kp, ts, w, p0, p1, acc); break;
+    case 1: pass_rows<1, G, T>(a, m, M, Kp, ts, w, p0, p1, acc); break;
     default: break;
   }
 }
@@ -100,13 +100,13 @@ void dp_matmul(const uint16_t* a, int64_t M, int64_t Kp, int64_t ts, const uint1
         const int64_t p1 = std::min(Kp / 2, p0 + kPairs);
         if (G == kWalk)
           pass_all<kWalk, T>(a, M, Kp, ts, wb, p0, p1, acc.data());
-        else  // the last blocks one at a time (acc rows then hold 16 floats, at the G = 1 stride)
+        else  // the last blocks one at a time, into the same places of acc
           for (int j = 0; j < G; ++j) pass_all<1, T>(a, M, Kp, ts, wb + j * Kp * kBlock, p0, p1, acc.data() + j * M * kBlock);
       }
       const int64_t col = b * kBlock, cols = std::min<int64_t>(G * kBlock, n - col);
       for (int64_t m = 0; m < M; ++m) {
         for (int j = 0; j < G && j * kBlock < cols; ++j) {
-          const float* src = G == kWalk ? acc.data() + m * kWalk * kBlock + j * kBlock : acc.data() + (j * M + m) * kBlock;
+          const float* src = acc.data() + (j * M + m) * kBlock;
           const int64_t c = std::min<int64_t>(kBlock, cols - j * kBlock);
           if constexpr (std::is_same_v<O, float>)
             std::copy(src, src + c, out + m * n + col + j * kBlock);
@@ -134,7 +134,7 @@ at::Tensor gemm_dpbf16(const at::Tensor& x, const at::Tensor& packed, int64_t n)
   TORCH_CHECK(dpbf16_built(), "gemm_dpbf16: this build does not target AVX512-BF16");
   at::Tensor xc;
   at::Tensor out = pairs_output(x, packed, n, xc);
-  const int64_t M = xc.size(0), K = xc.size(1), Kp = (K + kPad - 1) / kPad * kPad, NB = packed.size(0);
+  const int64_t M = xc.size(0), K = xc.size(1), Kp = packed.size(1), NB = packed.size(0);  // Kp: checked
   const auto dtype = xc.scalar_type();
   if (M == 0 || K == 0) return out;
 #ifdef EMBER_DPBF16
