@@ -55,6 +55,18 @@ def llamacpp_start(binary: Path, gguf: str, threads: int, timeout: float = 600.0
             proc.kill()
 
 
+def against_llamacpp(table: str, first: float) -> list[str]:
+    """Each Ember start of `bench restart`'s table (cold, warm, snapshot; not "warm 1st") against
+    llama.cpp's launch to a first token (`first` seconds)."""
+    out = []
+    for kind in ("cold", "warm", "snapshot"):
+        row = re.search(rf"^{kind}\s+(\d+\.\d+)\s", table, re.M)
+        if row:
+            ember = float(row.group(1))
+            out.append(f"Ember's {kind} start to a first token: {ember:.2f} s, {ember / first:.2f}x llama.cpp's")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.restart_peers", description=__doc__.split("\n")[0])
     p.add_argument("model", help="a GGUF file or a Hugging Face folder (then --gguf)")
@@ -85,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     healthy, first = min(starts, key=lambda s: s[1])
     row = f"{'llama.cpp':<10}{first:>18.2f}{healthy:>22.2f}{first - healthy:>17.2f}"
     print(f"{row}   (llama-server -m FILE -t {args.threads}, best of {args.runs})")
-    warm = re.search(r"^warm\s+([\d.]+)", done.stdout, re.M)
-    if warm:
-        print(f"Ember's warm restart to a first token: {float(warm.group(1)) / first:.2f}x llama.cpp's start")
+    for line in against_llamacpp(done.stdout, first):
+        print(line)
     return 0
 
 
