@@ -63,7 +63,8 @@ def against_llamacpp(table: str, first: float) -> list[str]:
         row = re.search(rf"^{kind}\s+(\d+\.\d+)\s", table, re.M)
         if row:
             ember = float(row.group(1))
-            out.append(f"Ember's {kind} start to a first token: {ember:.2f} s, {ember / first:.2f}x llama.cpp's")
+            ratio = ember / first
+            out.append(f"Ember's {kind} start to a first token: {ember:.2f} s, {ratio:.2f}x llama.cpp's")
     return out
 
 

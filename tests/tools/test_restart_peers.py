@@ -1,4 +1,4 @@
-"""tools/restart_peers: Ember's rows of `bench restart` against llama.cpp's start (runs in the test process)."""
+"""tools/restart_peers: Ember's rows of `bench restart` against llama.cpp's start (in the test process)."""
 
 from __future__ import annotations
 

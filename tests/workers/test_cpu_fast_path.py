@@ -196,7 +196,7 @@ def test_fused_decoder_layers_equal_the_module_path(
     on the module path), for every architecture's parts."""
     calls = []
     real_run = fused_decode.run
-    monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[2].shape[0]) or real_run(*a))
+    monkeypatch.setattr(fused_decode, "run", lambda *a: calls.append(a[3].shape[0]) or real_run(*a))
     gguf, kv = kwargs.pop("gguf", None), kwargs.pop("kv", "auto")
     model_dir = default_model_dir() if arch == "bundled" else make_ckpt(arch, dtype="bfloat16", **kwargs)
     if gguf is not None:
@@ -223,7 +223,7 @@ def test_speculative_verification_rows_equal_plain_decode(
     its own, so n-gram speculation gives exactly the tokens and logprobs of plain decoding."""
     sizes = []
     real_run = fused_decode.run
-    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[2].shape[0]) or real_run(*a))
+    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[3].shape[0]) or real_run(*a))
     loop = [1, *[40, 41, 42, 43, 44, 45] * 4]  # repeats: the n-gram proposer finds matches
     prompts = [loop, [1, *range(300, 320)], loop[:18]]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}
@@ -244,7 +244,7 @@ def test_short_prompts_prefill_as_decode_rows(monkeypatch: pytest.MonkeyPatch) -
     their first tokens and logprobs match the module path's prefill (SDPA) within bf16 noise."""
     sizes = []
     real_run = fused_decode.run
-    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[2].shape[0]) or real_run(*a))
+    monkeypatch.setattr(fused_decode, "run", lambda *a: sizes.append(a[3].shape[0]) or real_run(*a))
     prompts = [[1, 17, 5, 9, 33, 2, 8], [1, 4], [1, *range(60, 60 + fused_decode.MAX_QUERY - 1)]]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2)
     args = {"dtype": "bfloat16", "enable_prefix_caching": False, "show_progress": False}

@@ -1,4 +1,4 @@
-"""One native call per decoder layer for CPU decode steps (torch.ops.ember.decoder_layer).
+"""One native call for all decoder layers of a CPU decode step (torch.ops.ember.decoder_layer each).
 
 A decode step of a small model on a CPU spends milliseconds of Python around some 25 torch calls per
 layer. Where every piece of a decoder layer already runs on the native CPU ops (packed bf16, fp8
@@ -11,7 +11,9 @@ from the hidden states it was given). Short queries
 (speculative verification, the draft's catch-up, short prompt chunks: at most `MAX_QUERY` tokens per
 request) take it too, each token as a decode row of its own: its keys are written before attention
 runs, and it attends to positions 0 .. its own (the same logits a plain decode step at that position
-gives). Longer prefills keep the module path. The worker calls `select_forward` once per model, after
+gives). Longer prefills keep the module path. The layers' constant arguments (weights, norms,
+specs, rotary tables, the experts') are handed to a native `DecoderStack` once, so a step converts
+only what changes from Python (caches, rows, fp8 scales, expert counters). The worker calls `select_forward` once per model, after
 loading and installing its ops; the model runner (and the draft) call what it returns for every step.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -117,54 +120,56 @@ def _rows(meta: AttentionMetadata, positions: torch.Tensor, n: int) -> tuple[tor
     return table, positions[:n] + 1, meta.slot_mapping[:n]
 
 
-NO_EXPERTS: tuple = ([], [], [], [], [], 1.0, torch.empty(0, dtype=torch.int64))
+EMPTY = torch.empty(0)
 
 
-def moe_args(experts: MoEMLP | None) -> tuple:
-    """decoder_layer's moe_* arguments: the experts' native op's, or none (a dense MLP)."""
-    if experts is None or experts.native is None:
-        return NO_EXPERTS
-    n = experts.native
-    return n.params, n.weights, n.scales, n.specs, n.dims, experts.moe.routed_scale, experts.expert_load
+def build_stack(plans: list[FusedLayer]) -> Any:
+    """The layers' constant arguments held natively (cpu_decoder.cpp's DecoderStack), in order."""
+    stack = torch.classes.ember.DecoderStack()
+    for p in plans:
+        cos, sin = (EMPTY, EMPTY) if p.rotary is None else (p.rotary.cos, p.rotary.sin)
+        moe: tuple = ([], [], [], [], [], 1.0)
+        if p.experts is not None:
+            e = p.experts.native
+            assert e is not None, "layer_plan takes experts only on their native op"
+            moe = (e.params, e.weights, e.scales, e.specs, e.dims, p.experts.moe.routed_scale)
+        layer = (p.norms, p.weights, p.scales, p.biases, p.specs, p.dims, cos, sin)
+        stack.add(*layer, p.scale, p.eps, p.residual_scale, p.softcap, *moe)
+    return stack
 
 
 def run(
+    stack: Any,  # a torch.ScriptObject of the DecoderStack class (its methods are not typed)
     plans: list[FusedLayer],
     positions: torch.Tensor,
     x: torch.Tensor,
     kv_caches: list[torch.Tensor],
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """The decoder layers over a qualifying batch x [T, hidden]; returns the last layer's output."""
+    """The decoder layers over a qualifying batch x [T, hidden] in one native call; returns the last
+    layer's output. What may change between steps goes with the call: the caches, the fp8 caches'
+    scales (set once calibrated), the experts' load counters (views of the runner's), and per KV
+    group its rows (block tables, keys seen, slots)."""
     n = meta.num_actual_tokens
-    rows: dict[int, tuple[torch.Tensor, ...]] = {}  # by KV group view
-    layer_op = torch.ops.ember.decoder_layer
-    x = x.contiguous()
-    empty = torch.empty(0)
-    for p, kv in zip(plans, kv_caches, strict=True):
+    groups: dict[int, int] = {}  # KV group view -> its index in tables / lens / slots
+    tables: list[torch.Tensor] = []
+    lens: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
+    rows, kv_scales, loads = [], [], []
+    for p in plans:
         view = meta.for_layer(p.index)
-        if id(view) not in rows:
-            rows[id(view)] = _rows(view, positions, n)
-        table, lens, slots = rows[id(view)]
-        kv_scales = empty if p.attention.kv_scales is None else p.attention.kv_scales
-        cos, sin = (empty, empty) if p.rotary is None else (p.rotary.cos, p.rotary.sin)
-        args = (
-            kv[0],
-            kv[1],
-            table,
-            lens,
-            slots,
-            cos,
-            sin,
-            kv_scales,
-            p.scale,
-            p.eps,
-            p.residual_scale,
-            p.softcap,
-            *moe_args(p.experts),
-        )
-        x = layer_op(x, positions, p.norms, p.weights, p.scales, p.biases, p.specs, p.dims, *args)
-    return x
+        g = groups.get(id(view))
+        if g is None:
+            g = groups[id(view)] = len(tables)
+            table, seen, slot = _rows(view, positions, n)
+            tables.append(table)
+            lens.append(seen)
+            slots.append(slot)
+        rows.append(g)
+        kv_scales.append(EMPTY if p.attention.kv_scales is None else p.attention.kv_scales)
+        loads.append(EMPTY if p.experts is None else p.experts.expert_load)
+    keys, values = [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches]
+    return stack.forward(x.contiguous(), positions, keys, values, kv_scales, loads, tables, lens, slots, rows)
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
@@ -178,6 +183,7 @@ class FusedDecode:
     def __init__(self, model: LlamaForCausalLM, layers: list[FusedLayer]) -> None:
         self.model = model
         self.layers = layers
+        self.stack = build_stack(layers)
 
     def __call__(
         self,
@@ -192,7 +198,7 @@ class FusedDecode:
             return self.model(input_ids, positions, kv_caches, meta, inputs_embeds)
         body = self.model.model
         x = self.model.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-        x = run(self.layers, positions, x, kv_caches, meta)
+        x = run(self.stack, self.layers, positions, x, kv_caches, meta)
         return body.norm(x) if self.model.pp.is_last else x
 
 
