@@ -9,6 +9,7 @@
 //            (expert, weight segment, a range of its blocks of 16 output rows) that the threads take one at a time,
 //            so a decode step reads only the selected experts' bytes and one thread pool serves all of
 //            them (the matmuls are the native ops of cpu_ops.h, run single-threaded inside an item);
+//            a decode step's few rows per expert take whole experts as items instead (run_whole_experts);
 //   combine: per token its experts' outputs times their weights, in expert order, summed in float32,
 //            plus the shared expert (times its sigmoid gate where there is one).
 // The torch reference is workers/models/moe.py (route, experts_reference): the same routing, the same
@@ -232,6 +233,49 @@ at::Tensor activate(const at::Tensor& gate_up, int64_t act) {
   return at::mul(at::gelu(gate_up.narrow(1, 0, inter), "tanh"), gate_up.narrow(1, inter, inter));
 }
 
+// One linear over all its segments, on this thread (inside a work item): x @ W^T, the segments' outputs
+// side by side.
+at::Tensor linear_whole(const LinearJob& lin, const at::Tensor& x) {
+  std::vector<at::Tensor> parts;
+  int64_t cols = 0;
+  for (size_t s = 0; s < lin.packed.size(); ++s) {
+    const at::Tensor& packed = *lin.packed[s];
+    parts.push_back(segment_matmul(x, packed, *lin.scales[s], lin.specs[s], 0, packed.size(0)));
+    cols += parts.back().size(1);
+  }
+  if (parts.size() == 1) return parts[0];
+  at::Tensor out = at::empty({x.size(0), cols}, parts[0].options());
+  int64_t col = 0;
+  for (const at::Tensor& part : parts) {
+    out.narrow(1, col, part.size(1)).copy_(part);
+    col += part.size(1);
+  }
+  return out;
+}
+
+// experts, a whole expert per work item: gate_up, activation and down of one expert on one thread, the
+// threads taking experts in turn. For decode steps (every active expert has at most kWholeRows rows and
+// each thread gets several experts): no barrier between the two products, no parallel region for the
+// activations. The same products as run_experts', row for row.
+constexpr int64_t kWholeRows = 4;
+bool whole_experts(const std::vector<int64_t>& active, const std::vector<at::Tensor>& ins) {
+  const auto threads = static_cast<size_t>(at::get_num_threads());
+  if (threads < 2 || active.size() < 2 * threads) return false;
+  return std::all_of(active.begin(), active.end(), [&](int64_t e) { return ins[e].size(0) <= kWholeRows; });
+}
+
+void run_whole_experts(const std::vector<LinearJob>& lins, const std::vector<int64_t>& active,
+                       const std::vector<at::Tensor>& ins, int64_t act, std::vector<at::Tensor>& outs) {
+  std::atomic<size_t> next{0};
+  const auto threads = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(active.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (size_t i = next++; i < active.size(); i = next++) {
+      const int64_t e = active[i];
+      outs[e] = linear_whole(lins[2 * e + 1], activate(linear_whole(lins[2 * e], ins[e]), act));
+    }
+  });
+}
+
 }  // namespace
 
 // x [T, H] (float32 / bf16 / half, contiguous). params: the router's weight [E, H] float32, the
@@ -296,9 +340,13 @@ at::Tensor moe_forward(const at::Tensor& x, at::TensorList params, at::TensorLis
   }
 
   // experts
-  run_experts(lins, 0, active, ins, mids);
-  for (int64_t e : active) mids[e] = activate(mids[e], d.act);
-  run_experts(lins, 1, active, mids, outs);
+  if (whole_experts(active, ins)) {
+    run_whole_experts(lins, active, ins, d.act, outs);
+  } else {
+    run_experts(lins, 0, active, ins, mids);
+    for (int64_t e : active) mids[e] = activate(mids[e], d.act);
+    run_experts(lins, 1, active, mids, outs);
+  }
 
   // combine
   std::vector<float> gate(d.shared_gate ? T : 0);

@@ -78,6 +78,27 @@ def test_native_layer_equals_the_reference(native_kernels, routing: str, fmt: st
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-3, rtol=1e-2)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "Q4_K", "Q6_K"])
+def test_decode_schedule_gives_the_bits_of_the_two_phase_one(native_kernels, fmt: str) -> None:
+    """A decode step's few rows per expert run a whole expert per work item on two or more threads
+    (cpu_moe.cpp's run_whole_experts); one thread runs the two-phase schedule (every gate/up, then
+    every down): the same bits, whatever the schedule or thread count."""
+    layer = layer_of(MoEParts(8, 4, 256, renormalize=True, shared_intermediate=256), fmt)
+    install_ops(layer, NativeCpuOps())
+    threads = torch.get_num_threads()
+    try:
+        for tokens in (1, 2, 5):
+            x = inputs("random", tokens, layer)
+            with torch.no_grad():
+                torch.set_num_threads(max(2, threads))
+                many = layer(x)
+                torch.set_num_threads(1)
+                one = layer(x)
+            assert torch.equal(many, one), tokens
+    finally:
+        torch.set_num_threads(threads)
+
+
 def dense_reference(layer: MoEMLP, x: torch.Tensor) -> torch.Tensor:
     """Every expert on every token, weighted by the routing (zero for experts not picked)."""
     weights, ids = route(layer.gate(x), layer.moe, layer.gate.e_score_correction_bias)
