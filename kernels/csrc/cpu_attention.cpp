@@ -65,12 +65,28 @@ inline void tile_rows(const T* cache, const int64_t* strides, const int32_t* tab
   }
 }
 
+// The next tile's key and value rows, requested one row at a time while this tile's scores are
+// computed (a burst of a whole tile's requests fills the core's miss buffers and stalls it).
+template <typename T>
+struct Ahead {
+  const T* const* k;
+  const T* const* v;
+  int64_t n, row_bytes;
+  void fetch(int64_t i) const {
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(k[i]) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(v[i]) + b, _MM_HINT_T0);
+    }
+  }
+};
+
 // s[g * kTile + i] = scale * (q_g . k_i) for GB query heads (q: [GB, D]) over a tile's key rows: each
 // key row is widened once for all GB heads, whose accumulators stay in registers.
 template <typename T, int GB>
 __attribute__((noinline)) void scores_tile(const float* q, int64_t D, const T* const* rows, int64_t n, float* s,
-                                           float scale) {
+                                           float scale, const Ahead<T>* ahead) {
   for (int64_t i = 0; i < n; ++i) {
+    if (ahead != nullptr && i < ahead->n) ahead->fetch(i);
     __m256 acc[GB];
 #pragma GCC unroll 8
     for (int g = 0; g < GB; ++g) acc[g] = _mm256_setzero_ps();
@@ -105,8 +121,8 @@ __attribute__((noinline)) void values_tile(const float* p, const T* const* rows,
 
 template <typename T, int GB>
 void tile_heads(const float* q, int64_t D, const T* const* krows, const T* const* vrows, int64_t n, float* s,
-                float scale, float softcap, float* m, float* l, float* acc) {
-  scores_tile<T, GB>(q, D, krows, n, s, scale);
+                float scale, float softcap, float* m, float* l, float* acc, const Ahead<T>* ahead) {
+  scores_tile<T, GB>(q, D, krows, n, s, scale, ahead);
   for (int g = 0; g < GB; ++g) {  // online softmax: rescale what the earlier tiles left
     float* sg = s + g * kTile;
     if (softcap > 0.0f)
@@ -123,24 +139,24 @@ void tile_heads(const float* q, int64_t D, const T* const* krows, const T* const
 
 template <typename T>
 void tile_group(int64_t gb, const float* q, int64_t D, const T* const* krows, const T* const* vrows, int64_t n,
-                float* s, float scale, float softcap, float* m, float* l, float* acc) {
+                float* s, float scale, float softcap, float* m, float* l, float* acc, const Ahead<T>* ahead) {
   switch (gb) {
-    case 1: return tile_heads<T, 1>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
-    case 2: return tile_heads<T, 2>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
-    case 3: return tile_heads<T, 3>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
-    case 4: return tile_heads<T, 4>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
-    case 5: return tile_heads<T, 5>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
-    case 6: return tile_heads<T, 6>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
-    case 7: return tile_heads<T, 7>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
-    default: return tile_heads<T, 8>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc);
+    case 1: return tile_heads<T, 1>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
+    case 2: return tile_heads<T, 2>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
+    case 3: return tile_heads<T, 3>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
+    case 4: return tile_heads<T, 4>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
+    case 5: return tile_heads<T, 5>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
+    case 6: return tile_heads<T, 6>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
+    case 7: return tile_heads<T, 7>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
+    default: return tile_heads<T, 8>(q, D, krows, vrows, n, s, scale, softcap, m, l, acc, ahead);
   }
 }
 
 // One (request, kv head) pair: its G query heads (q, out: [G, D]) against keys start .. len - 1, a tile
 // of kTile positions at a time with an online softmax, so each key and value row is read once for all
 // G heads (in groups of up to kMaxGroup) while the tile sits in L1; the next tile's rows are requested
-// first (one kv head's rows sit Hkv rows apart in blocks anywhere in memory, which the hardware
-// prefetcher does not follow). ks/vs: strides (block, slot) of the kv head's rows.
+// row by row as this tile's scores are computed (one kv head's rows sit Hkv rows apart in blocks
+// anywhere in memory, which the hardware prefetcher does not follow). ks/vs: strides (block, slot) of the kv head's rows.
 template <typename T>
 void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
                  int64_t window, int64_t bs, int64_t G, int64_t D, const int64_t* ks, const int64_t* vs,
@@ -152,18 +168,20 @@ void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table,
   float s[kMaxGroup * kTile];
   std::vector<float> m(G, -INFINITY), l(G, 0.0f);
   std::fill(out, out + G * D, 0.0f);
-  auto fetch = [&](int64_t p0, int slot) {
+  auto rows = [&](int64_t p0, int slot, bool prefetch) {
     const int64_t n = std::min(kTile, len - p0);
-    tile_rows(kc, ks, table, bs, p0, n, row_bytes, true, krows[slot]);
-    tile_rows(vc, vs, table, bs, p0, n, row_bytes, true, vrows[slot]);
+    tile_rows(kc, ks, table, bs, p0, n, row_bytes, prefetch, krows[slot]);
+    tile_rows(vc, vs, table, bs, p0, n, row_bytes, prefetch, vrows[slot]);
+    return n;
   };
-  fetch(start, 0);
+  rows(start, 0, true);
   for (int64_t p0 = start, slot = 0; p0 < len; p0 += kTile, slot ^= 1) {
     const int64_t n = std::min(kTile, len - p0);
-    if (p0 + kTile < len) fetch(p0 + kTile, static_cast<int>(slot ^ 1));
+    const int64_t next = p0 + kTile < len ? rows(p0 + kTile, static_cast<int>(slot ^ 1), false) : 0;
+    const Ahead<T> ahead{krows[slot ^ 1], vrows[slot ^ 1], next, row_bytes};
     for (int64_t g0 = 0; g0 < G; g0 += kMaxGroup)
       tile_group<T>(std::min<int64_t>(kMaxGroup, G - g0), q + g0 * D, D, krows[slot], vrows[slot], n, s, scale,
-                    softcap, m.data() + g0, l.data() + g0, out + g0 * D);
+                    softcap, m.data() + g0, l.data() + g0, out + g0 * D, g0 == 0 && next ? &ahead : nullptr);
   }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = v_scale / l[g];
