@@ -34,6 +34,7 @@ from workers.model_runner import ModelRunner, RunnerParts
 from workers.models.fused_decode import Forward, select_forward
 from workers.models.layers import kv_bytes_per_token
 from workers.models.llama import LlamaForCausalLM
+from workers.models.moe import routed_expert_bytes
 from workers.models.ops import install_ops, select_ops
 from workers.parallel import PPGroup, TPGroup, device_index
 from workers.pipeline import StageForward
@@ -163,6 +164,7 @@ class Worker:
             layout=layout,
         )
         self.runner = ModelRunner(weights.model, kv_caches, block_size, self.device, parts)
+        moe = weights.model.parts.moe
         return WorkerReady(
             rank=self.rank,
             num_kv_blocks=num_blocks,
@@ -175,6 +177,8 @@ class Worker:
             weight_source=weights.source,
             cache_fallback_reason=weights.cache_fallback_reason,
             kv_layout=layout,
+            expert_bytes=routed_expert_bytes(weights.model),
+            expert_share=0.0 if moe is None else moe.top_k / moe.num_experts,
         )
 
     def load_weights(self, show_progress: bool, cache_only: bool = False) -> LoadedWeights:

@@ -333,6 +333,8 @@ class WorkerReady(msgspec.Struct, kw_only=True):
     weight_source: str = "disk"  # or "ipc_cache"
     cache_fallback_reason: str = ""  # why the cache was not used, when it was asked for
     kv_layout: KVLayout | None = None  # the model's KV groups (None: one group of every layer)
+    expert_bytes: int = 0  # the routed experts' share of weight_bytes (a step reads only the chosen ones)
+    expert_share: float = 0.0  # experts chosen per token / experts (top-k / E; 0: no mixture of experts)
 
 
 # ----------------------------------------------------------------------------- core -> frontend

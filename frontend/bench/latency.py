@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from coreproc.base.config import ConfigError, EngineConfig
-from coreproc.base.protocol import SamplingParams, SchedulerStats
+from coreproc.base.protocol import SamplingParams, SchedulerStats, WorkerReady
 from frontend.bench.workloads import add_workload_arguments, honors_eos, workload_prompts
 
 if TYPE_CHECKING:
@@ -147,11 +147,21 @@ def time_request(
     return Iteration(latency, first, produced, steps, len(prompts), sum(map(len, prompts)), split)
 
 
+def step_weight_bytes(ready: list[WorkerReady], batch: int) -> int:
+    """The weight bytes a decode step of `batch` requests reads: all of them, but of a mixture of
+    experts' routed experts only those chosen: top-k of E for one token, and for a batch the share a
+    uniform routing touches, 1 - (1 - k / E) ** batch."""
+    total = sum(r.weight_bytes for r in ready)
+    experts, share = sum(r.expert_bytes for r in ready), ready[0].expert_share
+    return round(total - experts * (1 - share) ** batch) if experts else total
+
+
 def summarize(iters: list[Iteration], weight_bytes: int, kv_bytes_per_token: float, bandwidth: dict) -> dict:
     """The reported figures: latency statistics, decode speed and the achieved memory bandwidth.
 
-    A decode step that produces a request's token j (j >= 2) reads all weights and the KV of its
-    prompt + j - 1 earlier positions; averaged over the decode steps that is prompt + output / 2
+    A decode step that produces a request's token j (j >= 2) reads the weights (`step_weight_bytes`:
+    of a mixture of experts, the chosen experts') and the KV of its prompt + j - 1 earlier positions;
+    averaged over the decode steps that is prompt + output / 2
     positions per request (means over the iterations), times the batch. Achieved bandwidth counts
     engine steps, so a speculative step that yields several tokens reads the weights once.
     """
@@ -315,7 +325,7 @@ def run(args: argparse.Namespace, config: EngineConfig) -> int:
         assert all(it.output_tokens == args.output_len * it.requests for it in iters), (
             "ignore_eos run stopped early"
         )
-    weight_bytes = sum(r.weight_bytes for r in ready)
+    weight_bytes = step_weight_bytes(ready, args.batch_size)
     kv_per_token = sum(r.kv_bytes_per_block for r in ready) / config.cache.block_size
     result = summarize(iters, weight_bytes, kv_per_token, bandwidth)
     spec = config.speculative

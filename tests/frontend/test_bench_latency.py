@@ -66,6 +66,21 @@ def test_summarize_math() -> None:
 
 
 @pytest.mark.e2e
+def test_a_step_reads_only_the_chosen_experts() -> None:
+    """Of a mixture of experts' weights a decode step counts the chosen experts only: top-k of E for
+    one token, 1 - (1 - k / E) ** batch of them for a batch; a dense model's all."""
+    from coreproc.base.protocol import WorkerReady
+    from frontend.bench.latency import step_weight_bytes
+
+    common = dict(rank=0, num_kv_blocks=1, kv_bytes_per_block=1, load_seconds=0.0, device="cpu")
+    dense = WorkerReady(weight_bytes=1000, **common)
+    moe = WorkerReady(weight_bytes=1000, expert_bytes=800, expert_share=0.25, **common)
+    assert step_weight_bytes([dense], 1) == step_weight_bytes([dense], 32) == 1000
+    assert step_weight_bytes([moe], 1) == 200 + 200  # the other weights and a quarter of the experts
+    assert step_weight_bytes([moe], 2) == 200 + 800 - 450  # 1 - 0.75 ** 2 of the experts
+    assert step_weight_bytes([moe, moe], 1) == 800  # each rank's own
+
+
 def test_run_writes_sane_figures(make_ckpt, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     config = EngineConfig.create(make_ckpt("llama"), device="cpu", num_kv_blocks=64)
     out = tmp_path / "latency.json"

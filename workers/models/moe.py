@@ -338,3 +338,10 @@ class ExpertCounts:
         rows = self.counts.tolist()
         self.counts.zero_()
         return dict(zip(self.indices, rows, strict=True))
+
+
+def routed_expert_bytes(model: nn.Module) -> int:
+    """The bytes of a model's routed experts (not the shared experts or routers): the part of its
+    weights a decode step reads only for the experts its tokens choose."""
+    experts = (m.experts for m in model.modules() if isinstance(m, MoEMLP))
+    return sum(p.numel() * p.element_size() for e in experts for p in e.parameters())
