@@ -191,6 +191,41 @@ void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table,
 
 }  // namespace
 
+namespace {
+
+// Whether a [B, H, D] tensor's rows can be read or written in place: float, bf16 or half with
+// contiguous head dimensions.
+bool readable(const at::Tensor& t) {
+  const auto d = t.scalar_type();
+  return t.stride(2) == 1 && (d == at::kFloat || d == at::kBFloat16 || d == at::kHalf);
+}
+
+// Row (b, h) of a readable [B, H, D] tensor: into f (read) or from f (write), in float32.
+void heads_row(const at::Tensor& t, int64_t b, int64_t h, float* f, int64_t D, bool read) {
+  const int64_t at = b * t.stride(0) + h * t.stride(1);
+  switch (t.scalar_type()) {
+    case at::kFloat: {
+      float* p = static_cast<float*>(t.data_ptr()) + at;
+      if (read) std::copy(p, p + D, f);
+      else std::copy(f, f + D, p);
+      return;
+    }
+    case at::kBFloat16: {
+      auto* p = static_cast<c10::BFloat16*>(t.data_ptr()) + at;
+      if (read) load_row(p, f, D);
+      else store_row(f, p, D);
+      return;
+    }
+    default: {
+      auto* p = static_cast<c10::Half*>(t.data_ptr()) + at;
+      if (read) load_row(p, f, D);
+      else store_row(f, p, D);
+    }
+  }
+}
+
+}  // namespace
+
 // q [B, H, D]; k_cache / v_cache [blocks, block_size, Hkv, D]; block_tables [>=B, max_blocks];
 // seq_lens [>=B]; kv_scales: empty, or float32 [2, Hkv] for an fp8 cache; out [B, H, D] (written,
 // any float dtype).
@@ -211,22 +246,29 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK(fp8 || kv_scales.numel() == 0, "decode_attention: kv_scales are only for an fp8 cache");
   if (B == 0) return;
   const int64_t G = H / Hkv;
-  const at::Tensor sc = fp8 ? kv_scales.contiguous() : at::ones({2, Hkv}, q.options().dtype(at::kFloat));
-  const float* scp = sc.const_data_ptr<float>();
-  const at::Tensor qf = q.to(at::kFloat).contiguous();
-  const at::Tensor table = block_tables.to(at::kInt).contiguous();
-  const at::Tensor lens = seq_lens.to(at::kLong).contiguous();
-  at::Tensor result = at::empty({B, H, D}, qf.options());
+  // what a step passes is read in place where it can be (bf16 / half / float q and out with
+  // contiguous heads, int32 block tables, int32 or int64 lengths): no conversion or copy per call
+  std::vector<float> ones(2 * Hkv, 1.0f);
+  const at::Tensor sc = fp8 ? kv_scales.contiguous() : at::Tensor();
+  const float* scp = fp8 ? sc.const_data_ptr<float>() : ones.data();
+  const bool q_direct = readable(q);
+  const at::Tensor qc = q_direct ? q : q.to(at::kFloat).contiguous();
+  const bool out_direct = readable(out);
+  at::Tensor result = out_direct ? out : at::empty({B, H, D}, q.options().dtype(at::kFloat));
+  const at::Tensor table = block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1
+                               ? block_tables
+                               : block_tables.to(at::kInt).contiguous();
+  TORCH_CHECK(table.size(0) >= B && seq_lens.numel() >= B, "decode_attention: fewer table rows than queries");
+  const at::Tensor lens = seq_lens.scalar_type() == at::kInt ? seq_lens.contiguous() : seq_lens.to(at::kLong).contiguous();
+  std::vector<int64_t> lp(B);
+  for (int64_t b = 0; b < B; ++b)
+    lp[b] = lens.scalar_type() == at::kInt ? lens.const_data_ptr<int32_t>()[b] : lens.const_data_ptr<int64_t>()[b];
   const int64_t ks[2] = {k_cache.stride(0), k_cache.stride(1)};
   const int64_t vs[2] = {v_cache.stride(0), v_cache.stride(1)};
-  const float* qp = qf.const_data_ptr<float>();
   const int32_t* tp = table.const_data_ptr<int32_t>();
-  const int64_t* lp = lens.const_data_ptr<int64_t>();
-  float* rp = result.mutable_data_ptr<float>();
-  const int64_t tstride = table.size(1);
-  TORCH_CHECK(table.size(0) >= B && lens.numel() >= B, "decode_attention: fewer table rows than queries");
+  const int64_t tstride = table.stride(0), tcols = table.size(1);
   for (int64_t b = 0; b < B; ++b) {  // every block read below must exist (the torch reference raises too)
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tstride * bs, "decode_attention: seq_len ", lp[b], " does not fit the table");
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= tcols * bs, "decode_attention: seq_len ", lp[b], " does not fit the table");
     for (int64_t j = 0; j < (lp[b] + bs - 1) / bs; ++j) {
       const int32_t blk = tp[b * tstride + j];
       TORCH_CHECK(blk >= 0 && blk < k_cache.size(0), "decode_attention: block ", blk, " is outside the cache");
@@ -236,17 +278,19 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     const scalar_t* kp = k_cache.const_data_ptr<scalar_t>();
     const scalar_t* vp = v_cache.const_data_ptr<scalar_t>();
     at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> qbuf(G * D), obuf(G * D);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t b = i / Hkv, h = i % Hkv;
-        const int64_t offset = h * G * D + b * H * D;
-        decode_pair<scalar_t>(qp + offset, kp + h * k_cache.stride(2), vp + h * v_cache.stride(2),
+        for (int64_t g = 0; g < G; ++g) heads_row(qc, b, h * G + g, qbuf.data() + g * D, D, true);
+        decode_pair<scalar_t>(qbuf.data(), kp + h * k_cache.stride(2), vp + h * v_cache.stride(2),
                               tp + b * tstride, lp[b], window, bs, G, D, ks, vs,
                               static_cast<float>(scale) * scp[h], static_cast<float>(softcap), scp[Hkv + h],
-                              rp + offset);
+                              obuf.data());
+        for (int64_t g = 0; g < G; ++g) heads_row(result, b, h * G + g, obuf.data() + g * D, D, false);
       }
     });
   });
-  out.copy_(result);
+  if (!out_direct) out.copy_(result);
 }
 
 // HF's RMSNorm up to the float32 sum order: h = float(x); y = w * dtype(h * rsqrt(mean(h^2) + eps)),

@@ -120,6 +120,25 @@ def test_decode_cpu_writes_into_out_view(build_case, native_ops) -> None:
     assert bool((big[0] == 7.0).all()) and bool((big[4] == 7.0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_cpu_reads_and_writes_any_layout(build_case, native_ops, dtype) -> None:
+    """q as a view into a wider fused q/k/v row (as the one-call layer passes it), lengths as int32
+    or int64, out with or without contiguous heads: one result, read and written in place where
+    the layout allows and through a copy where it does not."""
+    case = build_case([1, 1, 1], [3, 70, 130], num_heads=8, num_kv_heads=2, head_dim=16, dtype=dtype)
+    meta = case.meta
+    expected = _run(decode_attention_torch, case, None)
+    wide = torch.randn(3, 8 * 16 + 64, dtype=dtype)
+    wide[:, : 8 * 16] = case.q.reshape(3, -1)
+    q = wide.narrow(1, 0, 8 * 16).view(3, 8, 16)
+    for lens in (meta.seq_lens.int(), meta.seq_lens.long()):
+        for out in (torch.empty(3, 8, 16, dtype=dtype), torch.empty(3, 16, 8, dtype=dtype).transpose(1, 2)):
+            k, v = case.kv
+            got = decode_attention_cpu(q, k, v, meta.block_tables, lens, case.scale, None, out=out)
+            assert got is out
+            torch.testing.assert_close(out.float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 def test_decode_cpu_refuses_blocks_outside_the_cache(build_case, native_ops) -> None:
     case = build_case([1, 1], [3, 12], num_heads=4, num_kv_heads=2)
     table = case.meta.block_tables.clone()
