@@ -156,7 +156,8 @@ void tile_group(int64_t gb, const float* q, int64_t D, const T* const* krows, co
 // of kTile positions at a time with an online softmax, so each key and value row is read once for all
 // G heads (in groups of up to kMaxGroup) while the tile sits in L1; the next tile's rows are requested
 // row by row as this tile's scores are computed (one kv head's rows sit Hkv rows apart in blocks
-// anywhere in memory, which the hardware prefetcher does not follow). ks/vs: strides (block, slot) of the kv head's rows.
+// anywhere in memory, which the hardware prefetcher does not follow). ks/vs: strides (block, slot) of
+// the kv head's rows.
 template <typename T>
 void decode_pair(const float* q, const T* kc, const T* vc, const int32_t* table, int64_t len,
                  int64_t window, int64_t bs, int64_t G, int64_t D, const int64_t* ks, const int64_t* vs,
@@ -259,7 +260,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                                ? block_tables
                                : block_tables.to(at::kInt).contiguous();
   TORCH_CHECK(table.size(0) >= B && seq_lens.numel() >= B, "decode_attention: fewer table rows than queries");
-  const at::Tensor lens = seq_lens.scalar_type() == at::kInt ? seq_lens.contiguous() : seq_lens.to(at::kLong).contiguous();
+  const at::Tensor lens =
+      seq_lens.scalar_type() == at::kInt ? seq_lens.contiguous() : seq_lens.to(at::kLong).contiguous();
   std::vector<int64_t> lp(B);
   for (int64_t b = 0; b < B; ++b)
     lp[b] = lens.scalar_type() == at::kInt ? lens.const_data_ptr<int32_t>()[b] : lens.const_data_ptr<int64_t>()[b];
