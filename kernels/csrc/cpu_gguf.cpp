@@ -219,6 +219,32 @@ inline uint32_t load32(const uint8_t* p) {
 
 inline void store32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
 
+// A group's steps of 4 k for 16 rows from their bytes (row r at src + r * stride), STEPS of them (a
+// constant, so the loops unroll): i8 words as they are (step st, row r at st * 64 + 4 r); u4 and up,
+// rows r and r + 8 in one byte (low and high nibble), then for u5 / u6 a plane of their high bits
+// (u5: bit st of each byte the fifth bit; u6: bits 2 st, 2 st + 1 the high two).
+template <int STEPS>
+inline void pack_steps(int64_t kind, const uint8_t* src, int64_t stride, uint8_t* d) {
+  if (kind == 0) {
+    for (int st = 0; st < STEPS; ++st)
+      for (int r = 0; r < 16; ++r) std::memcpy(d + st * 64 + 4 * r, src + r * stride + 4 * st, 4);
+    return;
+  }
+  for (int st = 0; st < STEPS; ++st)
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t lo = load32(src + i * stride + 4 * st), hi = load32(src + (i + 8) * stride + 4 * st);
+      store32(d + st * 32 + 4 * i, (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4));
+    }
+  if (kind < 2) return;
+  const int bits = kind == 2 ? 1 : 2;
+  const uint32_t mask = kind == 2 ? 0x01010101u : 0x03030303u;
+  for (int r = 0; r < 16; ++r) {
+    uint32_t w = 0;
+    for (int st = 0; st < STEPS; ++st) w |= ((load32(src + r * stride + 4 * st) >> 4) & mask) << (bits * st);
+    store32(d + STEPS * 32 + 4 * r, w);  // 32 h + 4 i with r = 8 h + i
+  }
+}
+
 // Pack one block of up to 16 rows into dst (units * ubytes bytes, zeroed by the caller); buf: 16 * Kp
 // bytes. Walks the output in order: each 4-k step of a group takes 4 bytes of each of the 16 rows (u4 and
 // up: rows r and r + 8 share a byte, low and high nibble; the fifth / high bits of each byte gather in a
@@ -248,39 +274,24 @@ void pack_block(const Layout& f, const BlockSrc& s, uint8_t* dst, uint8_t* buf) 
   for (int64_t g = 0; g < f.groups; ++g) {
     uint8_t* head = dst + (g / f.subs) * f.ubytes;
     uint8_t* o = head + f.sbytes + (g % f.subs) * f.gstride;
-    for (int r = 0; r < s.rows; ++r) {
-      if (f.sup) {
-        o[r] = s.ss[r * G + g];
-        if (f.has_off) o[16 + r] = s.sm[r * G + g];
-        if (g % f.subs == 0)
-          for (int64_t p = 0; p < f.P; ++p)
+    if (f.sup) {  // int8 sub-parameters, and at a superblock's first group its rows' d (and -dmin)
+      for (int r = 0; r < s.rows; ++r) o[r] = s.ss[r * G + g];
+      if (f.has_off)
+        for (int r = 0; r < s.rows; ++r) o[16 + r] = s.sm[r * G + g];
+      if (g % f.subs == 0)
+        for (int64_t p = 0; p < f.P; ++p)
+          for (int r = 0; r < s.rows; ++r)
             std::memcpy(head + 64 * p + 4 * r, s.up + (r * f.units + g / f.subs) * f.P + p, 4);
-      } else if (g < G) {
+    } else if (g < G) {
+      for (int r = 0; r < s.rows; ++r) {
         put(o + r * f.psize, s.sp[r * G + g]);
         if (f.has_off) put(o + (16 + r) * f.psize, s.op[r * G + g]);
       }
     }
     uint8_t* d = o + f.pbytes;
     const uint8_t* src = rows + g * f.group;
-    if (f.kind == 0) {  // i8: step st, row r at st * 64 + 4 r
-      for (int64_t st = 0; st < steps; ++st)
-        for (int r = 0; r < 16; ++r) std::memcpy(d + st * 64 + 4 * r, src + r * stride + 4 * st, 4);
-      continue;
-    }
-    for (int64_t st = 0; st < steps; ++st)
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t lo = load32(src + i * stride + 4 * st), hi = load32(src + (i + 8) * stride + 4 * st);
-        store32(d + st * 32 + 4 * i, (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4));
-      }
-    if (f.kind >= 2)  // u5: bit st of each byte the fifth bit; u6: bits 2 st, 2 st + 1 the high two
-      for (int r = 0; r < 16; ++r) {
-        uint32_t w = 0;
-        for (int64_t st = 0; st < steps; ++st) {
-          const uint32_t v = load32(src + r * stride + 4 * st) >> 4;
-          w |= f.kind == 2 ? (v & 0x01010101u) << st : (v & 0x03030303u) << (2 * st);
-        }
-        store32(d + steps * 32 + 4 * r, w);  // 32 h + 4 i with r = 8 h + i
-      }
+    if (steps == 8) pack_steps<8>(f.kind, src, stride, d);
+    else pack_steps<4>(f.kind, src, stride, d);
   }
 }
 
