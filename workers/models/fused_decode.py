@@ -13,8 +13,9 @@ request) take it too, each token as a decode row of its own: its keys are writte
 runs, and it attends to positions 0 .. its own (the same logits a plain decode step at that position
 gives). Longer prefills keep the module path. The layers' constant arguments (weights, norms,
 specs, rotary tables, the experts') are handed to a native `DecoderStack` once, so a step converts
-only what changes from Python (caches, rows, fp8 scales, expert counters). The worker calls `select_forward` once per model, after
-loading and installing its ops; the model runner (and the draft) call what it returns for every step.
+only what changes from Python (caches, rows, fp8 scales, expert counters). The worker calls
+`select_forward` once per model, after loading and installing its ops; the model runner (and the
+draft) call what it returns for every step.
 """
 
 from __future__ import annotations
