@@ -203,22 +203,22 @@ bool readable(const at::Tensor& t) {
 
 // Row (b, h) of a readable [B, H, D] tensor: into f (read) or from f (write), in float32.
 void heads_row(const at::Tensor& t, int64_t b, int64_t h, float* f, int64_t D, bool read) {
-  const int64_t at = b * t.stride(0) + h * t.stride(1);
+  const int64_t offset = b * t.stride(0) + h * t.stride(1);
   switch (t.scalar_type()) {
     case at::kFloat: {
-      float* p = static_cast<float*>(t.data_ptr()) + at;
+      float* p = static_cast<float*>(t.data_ptr()) + offset;
       if (read) std::copy(p, p + D, f);
       else std::copy(f, f + D, p);
       return;
     }
     case at::kBFloat16: {
-      auto* p = static_cast<c10::BFloat16*>(t.data_ptr()) + at;
+      auto* p = static_cast<c10::BFloat16*>(t.data_ptr()) + offset;
       if (read) load_row(p, f, D);
       else store_row(f, p, D);
       return;
     }
     default: {
-      auto* p = static_cast<c10::Half*>(t.data_ptr()) + at;
+      auto* p = static_cast<c10::Half*>(t.data_ptr()) + offset;
       if (read) load_row(p, f, D);
       else store_row(f, p, D);
     }
